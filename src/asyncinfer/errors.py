@@ -31,3 +31,9 @@ class EngineError(AsyncInferError):
     """The engine failed while running a batch."""
 
     http_status = 500
+
+
+class ConfigError(AsyncInferError, ValueError):
+    """An engine option out of range or inconsistent with the model or the machine."""
+
+    http_status = 400

@@ -100,9 +100,10 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    if getattr(model, "hf_quantizer", None) is not None:
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
         # save_pretrained refuses a model that still claims to be GGUF-quantized.
-        model.hf_quantizer.remove_quantization_config(model)
+        quantizer.remove_quantization_config(model)
     # Write to a sibling folder and rename, so an interrupted conversion never looks done.
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)

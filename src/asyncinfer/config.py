@@ -1,0 +1,124 @@
+"""Frozen configs: what the model is (read from its config.json) and how the engine runs it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from attrs import field, frozen
+
+from asyncinfer.errors import ConfigError, UnsupportedModelError
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A torch dtype from a user's name for it ("bf16", "float32", ...)."""
+    if isinstance(name, torch.dtype):
+        if name not in _DTYPES.values():
+            raise ConfigError(f"unsupported dtype {name}; use float32, bfloat16 or float16")
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ConfigError(
+            f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
+
+
+@frozen
+class ModelConfig:
+    """The shape of a decoder-only model, read from a Hugging Face config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    hf_config: Any = field(eq=False, repr=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read config.json of a local model directory."""
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(path, local_files_only=True)
+        archs = getattr(hf, "architectures", None) or []
+        if not archs:
+            raise UnsupportedModelError(f"{path}/config.json names no architecture")
+        heads = hf.num_attention_heads
+        return cls(
+            architecture=archs[0],
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+            hf_config=hf,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V, all layers, for one token."""
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
+
+
+def _positive(_: object, attribute: Any, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{attribute.name} must be >= 1, got {value}")
+
+
+@frozen
+class EngineConfig:
+    """How to run a model: device, dtype, KV cache geometry and limits.
+
+    ``kv_cache_gb`` sizes the page pool from a memory budget; ``num_pages`` overrides it.
+    ``max_seq_len`` defaults to the model's context, capped at 8192 tokens on CPU.
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    load_format: Literal["auto", "dummy"] = "auto"
+    page_size: int = field(default=16, validator=_positive)
+    max_running_requests: int = field(default=64, validator=_positive)
+    max_seq_len: int | None = field(default=None, validator=_positive)
+    kv_cache_gb: float = 2.0
+    num_pages: int | None = field(default=None, validator=_positive)
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.kv_cache_gb <= 0:
+            raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if not self.device.startswith(("cpu", "cuda")):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype of weights, activations and the KV cache."""
+        return parse_dtype(self.dtype)
+
+    def context_len(self, model: ModelConfig) -> int:
+        """The longest sequence (prompt + output) a request may reach."""
+        cap = self.max_seq_len or min(model.max_position_embeddings, 8192)
+        return min(cap, model.max_position_embeddings)

@@ -1,0 +1,53 @@
+"""The KV page pool and the allocator that hands out its pages."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V for every layer, as ``num_pages * page_size`` token slots of
+    ``[kv_heads, head_dim]``; a token's slot is ``page * page_size + offset``."""
+
+    def __init__(
+        self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+        head_dim: int, dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the K and V of new tokens into their slots."""
+        self.k[layer][loc] = k
+        self.v[layer][loc] = v
+
+
+class PageAllocator:
+    """Free list of page ids; lowest ids first so allocation order is the same on every rank."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        """Pages not owned by anyone."""
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` pages; the caller checked that they are free."""
+        assert n <= len(self._free), f"asked for {n} pages, {len(self._free)} free"
+        if n == 0:
+            return []
+        pages = self._free[-n:][::-1]
+        del self._free[-n:]
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        """Give pages back."""
+        self._free.extend(sorted(pages, reverse=True))
+        self._free.sort(reverse=True)
+        assert len(self._free) <= self.num_pages, "a page was freed twice"

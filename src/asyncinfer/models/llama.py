@@ -1,0 +1,155 @@
+"""The Llama family (SmolLM2, Llama 3) and Qwen3, written for paged attention.
+
+Qwen3 is Llama plus an RMSNorm over each head of q and k before the rotation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from asyncinfer.attention.base import AttentionContext
+from asyncinfer.config import ModelConfig
+from asyncinfer.layers.linear import MergedLinear
+from asyncinfer.layers.norm import RMSNorm
+from asyncinfer.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer; the KV cache lives in the backend, not here."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
+                                     bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+        attn: AttentionContext,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x)
+        q = q.view(-1, self.heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        return self.o_proj(attn(self.layer, q, k, v))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up in one matmul."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each with a residual connection."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, qk_norm)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+        attn: AttentionContext,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# checkpoint name fragment -> (our fused module, part index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids in a flat batch (all requests' new tokens concatenated) to hidden states."""
+
+    qk_norm = False
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = rotary
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.qk_norm) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of every computed token."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the vocabulary, in float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (transformers' names) into the fused parameters."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            for fragment, (fused, part) in _STACKED.items():
+                if f".{fragment}." in name:
+                    module_name, _, kind = name.replace(fragment, fused).rpartition(".")
+                    module = self.get_submodule(module_name)
+                    assert isinstance(module, MergedLinear)
+                    module.load(part, tensor, is_bias=kind == "bias")
+                    loaded.add(f"{module_name}.{kind}#{part}")
+                    break
+            else:
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+        missing = [n for n in params if n not in loaded and not self._fused_loaded(n, loaded)]
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _fused_loaded(self, name: str, loaded: set[str]) -> bool:
+        module = self.get_submodule(name.rpartition(".")[0])
+        if not isinstance(module, MergedLinear):
+            return False
+        return all(f"{name}#{i}" in loaded for i in range(len(module.sizes)))
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with per-head RMSNorm on q and k."""
+
+    qk_norm = True

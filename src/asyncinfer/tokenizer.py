@@ -1,0 +1,177 @@
+"""Text in, token ids out, and back: a thin wrapper over a Hugging Face tokenizer.
+
+The ``IncrementalDetokenizer`` turns generated ids into text deltas that never split a UTF-8
+character and never leak a stop string.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncinfer.errors import InvalidRequestError, ModelNotFoundError
+from asyncinfer.params import SamplingParams
+
+# Prompt tokens decoded in front of the first generated ones, so a decoder that strips a
+# leading space (SentencePiece) sees the same boundary as it would mid-text.
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer with the few operations the engine and server need."""
+
+    def __init__(self, hf_tokenizer: Any, extra_eos_ids: Sequence[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        eos = set(extra_eos_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load the tokenizer of a local model directory (no network)."""
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ModelNotFoundError(f"no usable tokenizer in {path}: {exc}") from exc
+        return cls(hf, _generation_eos_ids(Path(path)))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included."""
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with the special tokens the tokenizer adds by default."""
+        return list(self.hf.encode(text))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat rendered by the model's template, ending in the assistant turn."""
+        if not getattr(self.hf, "chat_template", None):
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template; send a plain prompt instead")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list")
+        for i, message in enumerate(messages):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise InvalidRequestError(
+                    f"messages[{i}] must have a string 'role' and a string 'content'")
+        from jinja2 import TemplateError
+
+        try:
+            ids = self.hf.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except TemplateError as exc:
+            raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from exc
+        return list(ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; no clean-up of spaces, so decoding is additive at token boundaries."""
+        text: str = self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                   clean_up_tokenization_spaces=False)
+        return text
+
+    def detokenizer(
+        self, params: SamplingParams, prompt_ids: Sequence[int] = ()
+    ) -> IncrementalDetokenizer:
+        """A fresh streaming detokenizer for one request's generated tokens."""
+        return IncrementalDetokenizer(self, params, prompt_ids)
+
+
+def _generation_eos_ids(path: Path) -> list[int]:
+    config = path / "generation_config.json"
+    if not config.is_file():
+        return []
+    eos = json.loads(config.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+class IncrementalDetokenizer:
+    """Turns the generated token ids of one request, pushed as they come, into text deltas.
+
+    Every delta keeps the emitted text a prefix of the final text; ``finish`` flushes the rest.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: Sequence[int] = ()
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = params.skip_special_tokens
+        self._stops = params.stop
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        # The prompt tail is context only: it sits before read_offset, so it is never emitted.
+        self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._decoded = ""  # stable text: never changes once appended
+        self._emitted = 0  # how much of _decoded the caller has been given
+        self.stopped = False
+        self.stop_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return self._decoded[: self._emitted]
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add newly generated ids; the text delta they make safe to show (possibly "")."""
+        if self.stopped:
+            return ""
+        self._ids.extend(token_ids)
+        self._decoded += self._decode_window(final=False)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Flush the text held back for incomplete characters or possible stop strings."""
+        if self.stopped:
+            return ""
+        self._decoded += self._decode_window(final=True)
+        return self._release(final=True)
+
+    def _decode_window(self, final: bool) -> str:
+        """New stable text from ids[read_offset:], decoded after the previous chunk as context."""
+        if not final and self._read_offset == len(self._ids):
+            return ""
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset],
+                             self._skip_special)
+        window_text = decode(self._ids[self._prefix_offset :], self._skip_special)
+        # A trailing U+FFFD is (usually) a character whose remaining bytes are still to come.
+        if not final and window_text.endswith(_REPLACEMENT):
+            return ""
+        if len(window_text) <= len(prefix_text):
+            # Tokens that decode to nothing (skipped specials): keep the old context window.
+            if final:
+                self._read_offset = len(self._ids)
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return window_text[len(prefix_text) :]
+
+    def _release(self, final: bool) -> str:
+        """Emit what stop strings allow: cut at a match, else keep back a possible partial."""
+        if self._stops:
+            # A new match must end in the new text, so it starts at most len(stop)-1 before it.
+            start = max(self._emitted - self._hold, 0)
+            matches = [(i, s) for s in self._stops if (i := self._decoded.find(s, start)) >= 0]
+            if matches:
+                cut, self.stop_reason = min(matches, key=lambda m: m[0])
+                assert cut >= self._emitted, "a stop string began in text already emitted"
+                self.stopped = True
+                self._decoded = self._decoded[:cut]
+                final = True
+        end = len(self._decoded) if final else max(len(self._decoded) - self._hold, 0)
+        if end <= self._emitted:
+            return ""
+        delta = self._decoded[self._emitted : end]
+        self._emitted = end
+        return delta

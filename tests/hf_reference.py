@@ -1,0 +1,34 @@
+"""Reference outputs from Hugging Face transformers on the same weights."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+
+def load_hf(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The transformers model of a local directory, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model: torch.nn.Module, prompt: Sequence[int], new_tokens: int) -> list[int]:
+    """Greedy continuation of one unpadded prompt, EOS ignored, with transformers' KV cache."""
+    ids = torch.tensor([list(prompt)])
+    out = model(ids, use_cache=True)
+    tokens: list[int] = []
+    for _ in range(new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+@torch.inference_mode()
+def hf_last_logits(model: torch.nn.Module, sequence: Sequence[int]) -> torch.Tensor:
+    """Float32 logits of the last position of one sequence."""
+    return model(torch.tensor([list(sequence)])).logits[0, -1].float()
