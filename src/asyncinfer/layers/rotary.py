@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,12 +35,21 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * scale).to(device)
         self.sin = (emb.sin() * scale).to(device)
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, dim], k: [T, kv_heads, dim], positions: [T]."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
+        """cos and sin of each token's position, once per forward for all layers."""
+        return RotaryTables(self.cos[positions].to(dtype).unsqueeze(1),
+                            self.sin[positions].to(dtype).unsqueeze(1))
+
+
+class RotaryTables(NamedTuple):
+    """cos and sin, [T, 1, dim], of the tokens of one forward."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, dim], k: [T, kv_heads, dim]."""
+        cos, sin = self.cos, self.sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

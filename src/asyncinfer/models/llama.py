@@ -15,7 +15,7 @@ from asyncinfer.attention.base import AttentionContext
 from asyncinfer.config import ModelConfig
 from asyncinfer.layers.linear import MergedLinear
 from asyncinfer.layers.norm import RMSNorm
-from asyncinfer.layers.rotary import RotaryEmbedding
+from asyncinfer.layers.rotary import RotaryEmbedding, RotaryTables
 
 
 class Attention(nn.Module):
@@ -33,8 +33,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-        attn: AttentionContext,
+        self, x: torch.Tensor, rotary: RotaryTables, attn: AttentionContext
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x)
         q = q.view(-1, self.heads, self.head_dim)
@@ -42,7 +41,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotary.rotate(q, k)
         return self.o_proj(attn(self.layer, q, k, v))
 
 
@@ -70,10 +69,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-        attn: AttentionContext,
+        self, x: torch.Tensor, rotary: RotaryTables, attn: AttentionContext
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+        x = x + self.self_attn(self.input_layernorm(x), rotary, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -105,8 +103,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of every computed token."""
         x = self.embed_tokens(input_ids)
+        rotary = self.rotary.lookup(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attn)
+            x = layer(x, rotary, attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""Sessions: tests, lint, typecheck, bench (CPU) and gpu-tests (the device machine)."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+# A CPU build of torch lies on these machines' disk; an unpinned torch would pull CUDA.
+CPU_TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session, extras: str = "test", cpu_torch: bool = True) -> None:
+    if cpu_torch:
+        session.install(CPU_TORCH)
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The CPU test suite (GPU tests skip themselves)."""
+    _install(session)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff over the package, tests, examples and plugins."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "src", "tests", "examples", "noxfile.py")
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    """mypy over src/."""
+    _install(session, extras="test,dev")
+    session.run("mypy")
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """CPU benchmarks; results land in docs/benchmarks/ (see docs/benchmarks.md)."""
+    _install(session)
+    session.run("asyncinfer", "bench", "decode", "--json", "docs/benchmarks/cpu-decode.json",
+                *session.posargs)
+
+
+@nox.session(name="gpu-tests", python=False)
+def gpu_tests(session: nox.Session) -> None:
+    """On the device machine, in its own environment: the tests marked gpu."""
+    session.run("python", "-m", "pip", "install", "--no-deps", "-e", ".", external=True)
+    session.run("python", "-m", "pytest", "-q", "-m", "gpu", *session.posargs, external=True)

@@ -1,0 +1,99 @@
+"""Decode throughput of our CPU path beside transformers' `generate`, in one process and run.
+
+Both run the same weights and dtype on the same prompts of random ids; EOS is ignored so
+every request produces exactly ``--new-tokens`` tokens. Reported: output tokens per second,
+median over ``--repeats`` runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(model: str | None, device: str, dtype: str, batch_sizes: list[int], prompt_len: int,
+        new_tokens: int, repeats: int) -> dict[str, object]:
+    """Tokens/s of ours and of transformers for each batch size."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncinfer.config import EngineConfig
+    from asyncinfer.engine.runner import ModelRunner
+    from asyncinfer.engine.static_batch import generate_static
+    from asyncinfer.models.source import resolve_model
+    from asyncinfer.params import SamplingParams
+
+    model_dir = resolve_model(model)
+    config = EngineConfig(device=device, dtype=dtype, max_running_requests=max(batch_sizes),
+                          kv_cache_gb=0.5)
+    runner = ModelRunner(config, model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=config.torch_dtype).eval()
+    hf = hf.to(device)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    rng = random.Random(0)
+    rows = []
+    for bs in batch_sizes:
+        prompts = [[rng.randrange(100, 10000) for _ in range(prompt_len)] for _ in range(bs)]
+        ids = torch.tensor(prompts, device=device)
+
+        def ours(prompts: list[list[int]] = prompts) -> object:
+            return generate_static(runner, prompts, [params] * len(prompts))
+
+        def theirs(ids: torch.Tensor = ids) -> object:
+            with torch.inference_mode():
+                return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+
+        ours_s, hf_s = _median_seconds(ours, repeats), _median_seconds(theirs, repeats)
+        tokens = bs * new_tokens
+        rows.append({"batch_size": bs, "tokens": tokens,
+                     "asyncinfer_tokens_per_s": round(tokens / ours_s, 1),
+                     "transformers_tokens_per_s": round(tokens / hf_s, 1),
+                     "ratio": round(hf_s / ours_s, 2)})
+        print(f"batch {bs:>3}: asyncinfer {tokens / ours_s:8.1f} tok/s   "
+              f"transformers generate {tokens / hf_s:8.1f} tok/s   ratio {hf_s / ours_s:.2f}x",
+              flush=True)
+    return {
+        "benchmark": "decode", "model": model_dir.name, "device": device, "dtype": dtype,
+        "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "commit": _commit(), "results": rows,
+    }
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=False, cwd=Path(__file__).parent)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main(args: argparse.Namespace) -> int:
+    """`asyncinfer bench decode`."""
+    result = run(args.model, args.device, args.dtype,
+                 [int(b) for b in args.batch_sizes.split(",")], args.prompt_len,
+                 args.new_tokens, args.repeats)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0

@@ -1,0 +1,115 @@
+"""The `asyncinfer` command: generate | models | bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from asyncinfer.errors import AsyncInferError
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from asyncinfer.config import EngineConfig
+    from asyncinfer.engine.runner import ModelRunner
+    from asyncinfer.engine.static_batch import generate_static
+    from asyncinfer.models.source import resolve_model
+    from asyncinfer.params import SamplingParams
+    from asyncinfer.tokenizer import Tokenizer
+
+    model_dir = resolve_model(args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    if args.chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = tokenizer.encode(args.prompt)
+    config = EngineConfig(model=str(model_dir), device=args.device, dtype=args.dtype,
+                          max_running_requests=1, kv_cache_gb=args.kv_cache_gb)
+    runner = ModelRunner(config, model_dir)
+    [tokens] = generate_static(runner, [prompt], [params], tokenizer.eos_token_ids)
+    detok = tokenizer.detokenizer(params, prompt_ids=prompt)
+    text = detok.push(tokens) + detok.finish()
+    print(text if args.chat else args.prompt + text)
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from asyncinfer.models.source import EMBEDDED_NAME, cached_models, models_dir
+
+    found = cached_models()
+    print(f"cache: {models_dir()}")
+    if not found:
+        print(f"(empty: the embedded {EMBEDDED_NAME} is fetched on first use)")
+    for path in found:
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
+        print(f"{path.name}\t{size:.0f} MiB\t{path}")
+    return 0
+
+
+def _bench_decode(args: argparse.Namespace) -> int:
+    from asyncinfer.bench.decode import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the result")
+    gen.add_argument("prompt")
+    _add_model_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the model's chat template as a user message")
+    gen.set_defaults(func=_generate)
+
+    models = sub.add_parser("models", help="list the models in the cache")
+    models.set_defaults(func=_models)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    decode = bench_sub.add_parser(
+        "decode", help="single-request and batched decode tokens/s, ours and transformers'")
+    _add_model_args(decode)
+    decode.add_argument("--batch-sizes", default="1,8")
+    decode.add_argument("--prompt-len", type=int, default=32)
+    decode.add_argument("--new-tokens", type=int, default=64)
+    decode.add_argument("--repeats", type=int, default=3)
+    decode.add_argument("--json", default=None, help="write the results to this file")
+    decode.set_defaults(func=_bench_decode)
+    return parser
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="local model directory, .gguf file or hub id "
+                             "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except AsyncInferError as exc:
+        print(f"asyncinfer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

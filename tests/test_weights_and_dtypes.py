@@ -1,0 +1,111 @@
+"""Weights load from sharded safetensors, GGUF (cached once) and dummy; every dtype runs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncinfer.config import EngineConfig
+from asyncinfer.engine.runner import ModelRunner
+from asyncinfer.engine.static_batch import generate_static
+from asyncinfer.models import source
+from asyncinfer.params import SamplingParams
+from tests.hf_reference import hf_greedy, hf_last_logits, load_hf
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def runner_for(model_dir: Path, **options: object) -> ModelRunner:
+    config = EngineConfig(**{"dtype": "float32", "max_running_requests": 4, "num_pages": 64,
+                             "max_seq_len": 256, **options})  # type: ignore[arg-type]
+    return ModelRunner(config, model_dir)
+
+
+def test_sharded_checkpoint_loads_and_matches_transformers(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    hf = load_hf(tiny_llama_dir)
+    hf.save_pretrained(tmp_path, max_shard_size="200KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    prompt = [5, 17, 42, 99, 3]
+    assert generate_static(runner_for(tmp_path), [prompt], [GREEDY]) == [
+        hf_greedy(hf, prompt, 16)]
+
+
+def test_tied_embeddings_use_the_embedding_as_head(tiny_qwen3_dir: Path) -> None:
+    runner = runner_for(tiny_qwen3_dir)
+    assert runner.model.lm_head is None
+    assert runner.model.config.tie_word_embeddings
+
+
+def test_dummy_weights_have_real_shapes_and_give_finite_logits(tiny_llama_dir: Path) -> None:
+    runner = runner_for(tiny_llama_dir, load_format="dummy")
+    hf_shapes = {n: tuple(p.shape) for n, p in load_hf(tiny_llama_dir).named_parameters()}
+    ours = dict(runner.model.named_parameters())
+    assert tuple(ours["embed_tokens.weight"].shape) == hf_shapes["model.embed_tokens.weight"]
+    q, k, v = (hf_shapes[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    assert tuple(ours["layers.0.self_attn.qkv_proj.weight"].shape) == (
+        q[0] + k[0] + v[0], q[1])
+    [tokens] = generate_static(runner, [[1, 2, 3]], [GREEDY])
+    assert len(tokens) == 16
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_logits_are_close_to_transformers(tiny_llama_dir: Path, dtype: str) -> None:
+    torch_dtype = getattr(torch, dtype)
+    runner = runner_for(tiny_llama_dir, dtype=dtype)
+    hf = load_hf(tiny_llama_dir, dtype=torch_dtype)
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 500) for _ in range(40)]
+    [tokens] = generate_static(runner, [prompt], [SamplingParams(max_tokens=1, temperature=0)])
+    ref = hf_last_logits(hf, prompt)
+    from asyncinfer.engine.batch import Batch
+    from asyncinfer.kvcache.naive import NaiveCache
+    from asyncinfer.kvcache.pool import PageAllocator
+
+    NaiveCache(PageAllocator(runner.num_pages), runner.page_table, 16).reserve(0, 41)
+    runner.token_pool[0, :40] = torch.tensor(prompt)
+    logits = runner.forward(Batch(rows=[0], starts=[0], ends=[40], params=[GREEDY],
+                                  steps=[0])).logits[0]
+    assert runner.pool.k.dtype == torch_dtype
+    assert (logits - ref).abs().max() <= 0.05 * ref.abs().max()
+    assert tokens[0] == int(ref.argmax())
+
+
+def test_gguf_file_is_converted_once_and_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCINFER_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls: list[Path] = []
+
+    def fake_convert(src: Path, target: Path) -> None:
+        calls.append(src)
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+
+    monkeypatch.setattr(source, "_convert_gguf", fake_convert)
+    first = source.resolve_model(str(gguf))
+    second = source.resolve_model(str(gguf))
+    assert first == second and calls == [gguf]
+    assert first in source.cached_models()
+
+
+@pytest.mark.parametrize("name, message", [
+    ("/nonexistent/model", "neither a model directory nor a .gguf file"),
+    ("/nonexistent/model.gguf", "does not exist"),
+    ("no-such-org/no-such-model", "could not be reached"),
+])
+def test_unresolvable_models_are_clear_errors(name: str, message: str) -> None:
+    with pytest.raises(source.ModelNotFoundError, match=message):
+        source.resolve_model(name)
+
+
+def test_embedded_model_is_the_default(smollm2_dir: Path) -> None:
+    assert source.resolve_model(None) == smollm2_dir
+    assert (smollm2_dir / "model.safetensors").exists()
+    assert (smollm2_dir / "tokenizer.json").exists()
