@@ -9,26 +9,32 @@ nox.options.reuse_existing_virtualenvs = True
 
 # A CPU build of torch lies on these machines' disk; an unpinned torch would pull CUDA.
 CPU_TORCH = "torch==2.13.0"
+PLUGINS = ["policies/shortest-prompt-first"]
+PLUGIN_TESTS = [f"{plugin}/tests" for plugin in PLUGINS]
 
 
 def _install(session: nox.Session, extras: str = "test", cpu_torch: bool = True) -> None:
     if cpu_torch:
         session.install(CPU_TORCH)
     session.install("-e", f".[{extras}]")
+    # The out-of-tree policy plugins, so their entry points are found like any third party's.
+    for plugin in PLUGINS:
+        session.install("--no-deps", "-e", plugin)
 
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """The CPU test suite (GPU tests skip themselves)."""
     _install(session)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *PLUGIN_TESTS,
+                *session.posargs)
 
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     """ruff over the package, tests, examples and plugins."""
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "src", "tests", "examples", "noxfile.py")
+    session.run("ruff", "check", "src", "tests", "examples", "policies", "noxfile.py")
 
 
 @nox.session(python="3.11")

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncinfer.api import LLM
 from asyncinfer.config import EngineConfig
 from asyncinfer.engine.batch import Batch
 from asyncinfer.engine.runner import ModelRunner
-from asyncinfer.engine.static_batch import generate_static
 from asyncinfer.kvcache.naive import NaiveCache
 from asyncinfer.kvcache.pool import PageAllocator
 from asyncinfer.params import SamplingParams
@@ -56,12 +56,17 @@ def model_dir(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(request.param)
 
 
+def generate_ids(model_dir: Path, prompts: list[list[int]], **options: object) -> list[list[int]]:
+    """Greedy outputs of ``LLM.generate`` for token-id prompts."""
+    llm = LLM(str(model_dir), skip_tokenizer_init=True, dtype="float32",
+              max_running_requests=8, max_seq_len=256, **options)
+    return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_greedy_batch_matches_transformers(model_dir: Path, page_size: int) -> None:
     prompts, expected = reference(model_dir)
-    runner = make_runner(model_dir, page_size)
-    got = generate_static(runner, prompts, [GREEDY] * len(prompts))
-    assert got == expected
+    assert generate_ids(model_dir, prompts, page_size=page_size) == expected
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
@@ -70,8 +75,7 @@ def test_prefill_in_chunks_over_cached_prefix_matches_transformers(
 ) -> None:
     model_dir = request.getfixturevalue(model_fixture)
     prompts, expected = reference(model_dir)
-    runner = make_runner(model_dir, page_size=4)
-    got = generate_static(runner, prompts, [GREEDY] * len(prompts), prefill_chunk=6)
+    got = generate_ids(model_dir, prompts, page_size=4, max_extend_tokens=6)
     assert got == expected
 
 

@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncinfer.api import LLM
 from asyncinfer.config import EngineConfig
+from asyncinfer.engine.batch import Batch
 from asyncinfer.engine.runner import ModelRunner
-from asyncinfer.engine.static_batch import generate_static
+from asyncinfer.kvcache.naive import NaiveCache
+from asyncinfer.kvcache.pool import PageAllocator
 from asyncinfer.models import source
 from asyncinfer.params import SamplingParams
 from tests.hf_reference import hf_greedy, hf_last_logits, load_hf
@@ -31,8 +34,9 @@ def test_sharded_checkpoint_loads_and_matches_transformers(
     hf.save_pretrained(tmp_path, max_shard_size="200KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
     prompt = [5, 17, 42, 99, 3]
-    assert generate_static(runner_for(tmp_path), [prompt], [GREEDY]) == [
-        hf_greedy(hf, prompt, 16)]
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_pages=64)
+    [out] = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert out.token_ids == hf_greedy(hf, prompt, 16)
 
 
 def test_tied_embeddings_use_the_embedding_as_head(tiny_qwen3_dir: Path) -> None:
@@ -42,15 +46,16 @@ def test_tied_embeddings_use_the_embedding_as_head(tiny_qwen3_dir: Path) -> None
 
 
 def test_dummy_weights_have_real_shapes_and_give_finite_logits(tiny_llama_dir: Path) -> None:
-    runner = runner_for(tiny_llama_dir, load_format="dummy")
+    llm = LLM(str(tiny_llama_dir), skip_tokenizer_init=True, load_format="dummy", num_pages=64)
+    runner = llm.runner
     hf_shapes = {n: tuple(p.shape) for n, p in load_hf(tiny_llama_dir).named_parameters()}
     ours = dict(runner.model.named_parameters())
     assert tuple(ours["embed_tokens.weight"].shape) == hf_shapes["model.embed_tokens.weight"]
     q, k, v = (hf_shapes[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
     assert tuple(ours["layers.0.self_attn.qkv_proj.weight"].shape) == (
         q[0] + k[0] + v[0], q[1])
-    [tokens] = generate_static(runner, [[1, 2, 3]], [GREEDY])
-    assert len(tokens) == 16
+    [out] = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert len(out.token_ids) == 16
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -60,19 +65,13 @@ def test_half_precision_logits_are_close_to_transformers(tiny_llama_dir: Path, d
     hf = load_hf(tiny_llama_dir, dtype=torch_dtype)
     rng = random.Random(3)
     prompt = [rng.randrange(3, 500) for _ in range(40)]
-    [tokens] = generate_static(runner, [prompt], [SamplingParams(max_tokens=1, temperature=0)])
     ref = hf_last_logits(hf, prompt)
-    from asyncinfer.engine.batch import Batch
-    from asyncinfer.kvcache.naive import NaiveCache
-    from asyncinfer.kvcache.pool import PageAllocator
-
     NaiveCache(PageAllocator(runner.num_pages), runner.page_table, 16).reserve(0, 41)
     runner.token_pool[0, :40] = torch.tensor(prompt)
-    logits = runner.forward(Batch(rows=[0], starts=[0], ends=[40], params=[GREEDY],
-                                  steps=[0])).logits[0]
+    out = runner.forward(Batch(rows=[0], starts=[0], ends=[40], params=[GREEDY], steps=[0]))
     assert runner.pool.k.dtype == torch_dtype
-    assert (logits - ref).abs().max() <= 0.05 * ref.abs().max()
-    assert tokens[0] == int(ref.argmax())
+    assert (out.logits[0] - ref).abs().max() <= 0.05 * ref.abs().max()
+    assert int(out.next_tokens[0]) == int(ref.argmax())
 
 
 def test_gguf_file_is_converted_once_and_cached(

@@ -11,28 +11,25 @@ from asyncinfer.errors import AsyncInferError
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from asyncinfer.config import EngineConfig
-    from asyncinfer.engine.runner import ModelRunner
-    from asyncinfer.engine.static_batch import generate_static
-    from asyncinfer.models.source import resolve_model
+    from asyncinfer.api import LLM
     from asyncinfer.params import SamplingParams
-    from asyncinfer.tokenizer import Tokenizer
 
-    model_dir = resolve_model(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    tokenizer = Tokenizer.from_pretrained(model_dir)
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop=args.stop)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_running_requests=1,
+              kv_cache_gb=args.kv_cache_gb)
+    assert llm.tokenizer is not None
     if args.chat:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt: str | list[int] = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}])
     else:
-        prompt = tokenizer.encode(args.prompt)
-    config = EngineConfig(model=str(model_dir), device=args.device, dtype=args.dtype,
-                          max_running_requests=1, kv_cache_gb=args.kv_cache_gb)
-    runner = ModelRunner(config, model_dir)
-    [tokens] = generate_static(runner, [prompt], [params], tokenizer.eos_token_ids)
-    detok = tokenizer.detokenizer(params, prompt_ids=prompt)
-    text = detok.push(tokens) + detok.finish()
-    print(text if args.chat else args.prompt + text)
+        prompt = args.prompt
+    [out] = llm.generate([prompt], params, use_tqdm=False)
+    if out.error:
+        print(f"asyncinfer: error: {out.error}", file=sys.stderr)
+        return 2
+    print(out.text if args.chat else args.prompt + out.text)
     return 0
 
 
@@ -46,6 +43,13 @@ def _models(args: argparse.Namespace) -> int:
     for path in found:
         size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
         print(f"{path.name}\t{size:.0f} MiB\t{path}")
+    return 0
+
+
+def _policies(args: argparse.Namespace) -> int:
+    from asyncinfer.policies.registry import describe_policies
+
+    print(describe_policies())
     return 0
 
 
@@ -69,12 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt in the model's chat template as a user message")
     gen.set_defaults(func=_generate)
 
     models = sub.add_parser("models", help="list the models in the cache")
     models.set_defaults(func=_models)
+
+    policies = sub.add_parser("policies", help="list the installed scheduling policies")
+    policies.set_defaults(func=_policies)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

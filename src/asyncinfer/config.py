@@ -90,7 +90,9 @@ class EngineConfig:
     """How to run a model: device, dtype, KV cache geometry and limits.
 
     ``kv_cache_gb`` sizes the page pool from a memory budget; ``num_pages`` overrides it.
-    ``max_seq_len`` defaults to the model's context, capped at 8192 tokens on CPU.
+    ``max_seq_len`` defaults to the model's context, capped at 8192 tokens.
+    ``max_extend_tokens`` is the prefill token budget of one round; with ``chunked_prefill``
+    a longer prompt is split across rounds, without it such a prompt is refused.
     """
 
     model: str | None = None
@@ -103,6 +105,9 @@ class EngineConfig:
     kv_cache_gb: float = 2.0
     num_pages: int | None = field(default=None, validator=_positive)
     seed: int = 0
+    cache_type: Literal["radix", "naive"] = "radix"
+    max_extend_tokens: int = field(default=4096, validator=_positive)
+    chunked_prefill: bool = True
 
     def __attrs_post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -110,6 +115,8 @@ class EngineConfig:
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.cache_type not in ("radix", "naive"):
+            raise ConfigError(f"cache_type must be 'radix' or 'naive', got {self.cache_type!r}")
         if not self.device.startswith(("cpu", "cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 

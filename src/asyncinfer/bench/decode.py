@@ -35,17 +35,14 @@ def run(model: str | None, device: str, dtype: str, batch_sizes: list[int], prom
     """Tokens/s of ours and of transformers for each batch size."""
     from transformers import AutoModelForCausalLM
 
-    from asyncinfer.config import EngineConfig
-    from asyncinfer.engine.runner import ModelRunner
-    from asyncinfer.engine.static_batch import generate_static
+    from asyncinfer.api import LLM
     from asyncinfer.models.source import resolve_model
     from asyncinfer.params import SamplingParams
 
     model_dir = resolve_model(model)
-    config = EngineConfig(device=device, dtype=dtype, max_running_requests=max(batch_sizes),
-                          kv_cache_gb=0.5)
-    runner = ModelRunner(config, model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=config.torch_dtype).eval()
+    llm = LLM(str(model_dir), device=device, dtype=dtype, max_running_requests=max(batch_sizes),
+              kv_cache_gb=0.5, cache_type="naive")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=llm.config.torch_dtype).eval()
     hf = hf.to(device)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
@@ -55,7 +52,7 @@ def run(model: str | None, device: str, dtype: str, batch_sizes: list[int], prom
         ids = torch.tensor(prompts, device=device)
 
         def ours(prompts: list[list[int]] = prompts) -> object:
-            return generate_static(runner, prompts, [params] * len(prompts))
+            return llm.generate(prompts, params, use_tqdm=False)
 
         def theirs(ids: torch.Tensor = ids) -> object:
             with torch.inference_mode():

@@ -48,6 +48,7 @@ class ModelRunner:
         cfg, page = self.model_config, config.page_size
         self.pool = KVPool(cfg.num_layers, self.num_pages, page, cfg.num_kv_heads,
                            cfg.head_dim, self.dtype, self.device)
+        self.page_size = page
         self.max_rows = config.max_running_requests
         # Whole pages per row, plus one column so a sampled token always has a place.
         width = -(-self.context_len // page) * page + 1

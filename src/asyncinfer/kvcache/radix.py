@@ -1,0 +1,180 @@
+"""The radix cache: a prefix tree over whole pages of tokens, so requests share common KV."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from attrs import define, field, frozen
+
+Chunk = tuple[int, ...]
+
+
+@define(eq=False)
+class Node:
+    """An edge of page-sized token chunks below ``parent``, with the page holding each chunk."""
+
+    chunks: list[Chunk]
+    pages: list[int]
+    parent: Node | None
+    creation_id: int
+    last_access: int
+    ref_count: int = 0
+    children: dict[Chunk, Node] = field(factory=dict)
+
+
+@frozen
+class PrefixMatch:
+    """The longest cached prefix: its length in tokens, its pages in order, and its last node."""
+
+    num_tokens: int
+    pages: list[int]
+    node: Node
+
+
+class RadixCache:
+    """Prefix tree whose nodes own KV pages: it adopts pages on insert, hands them back on evict.
+
+    Every order (children, LRU ties) comes from counters, so every rank makes the same choices.
+    """
+
+    def __init__(self, page_size: int) -> None:
+        assert page_size > 0, f"page_size must be positive, got {page_size}"
+        self.page_size = page_size
+        self._clock = 0
+        self._next_id = 0
+        self._cached = 0
+        self._evictable = 0
+        self.root = self._new_node([], [], None)
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages the tree owns."""
+        return self._cached
+
+    @property
+    def evictable_pages(self) -> int:
+        """Pages in unreferenced nodes, which evicting leaves over and over would free."""
+        return self._evictable
+
+    def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
+        """Longest cached whole-page prefix of ``tokens``, leaving at least the last token out."""
+        # The caller must compute at least one token to get logits for the next one.
+        num_chunks = max(0, (len(tokens) - 1) // self.page_size)
+        node, pages = self._walk(self._chunks(tokens, num_chunks))
+        return PrefixMatch(len(pages) * self.page_size, pages, node)
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
+        """Cache the full pages of ``tokens`` (``pages[i]`` holds chunk ``i``).
+
+        Returns the pages the caller must free: copies of chunks already cached, and the tail.
+        """
+        num_chunks = len(tokens) // self.page_size
+        assert len(pages) >= num_chunks, f"{len(tokens)} tokens need {num_chunks} pages"
+        chunks = self._chunks(tokens, num_chunks)
+        node, cached = self._walk(chunks)
+        # The caller passes back the pages it matched; only a second copy of a chunk is freed.
+        to_free = [mine for mine, kept in zip(pages, cached) if mine != kept]
+        have = len(cached)
+        if have < num_chunks:
+            leaf = self._new_node(chunks[have:], list(pages[have:num_chunks]), node)
+            node.children[leaf.chunks[0]] = leaf
+            self._cached += len(leaf.pages)
+            self._evictable += len(leaf.pages)
+        return to_free + list(pages[num_chunks:])
+
+    def lock(self, node: Node) -> None:
+        """Keep ``node`` and its ancestors from being evicted until :meth:`unlock`."""
+        walker: Node | None = node
+        while walker is not None:
+            if walker.ref_count == 0:
+                self._evictable -= len(walker.pages)
+            walker.ref_count += 1
+            walker = walker.parent
+
+    def unlock(self, node: Node) -> None:
+        """Drop one reference taken by :meth:`lock` on ``node`` and its ancestors."""
+        walker: Node | None = node
+        while walker is not None:
+            assert walker.ref_count > 0, "unlock without a matching lock"
+            walker.ref_count -= 1
+            if walker.ref_count == 0:
+                self._evictable += len(walker.pages)
+            walker = walker.parent
+
+    def evict(self, num_pages: int) -> list[int]:
+        """Free at least ``num_pages`` pages (fewer if fewer are evictable), LRU leaves first."""
+        heap = [(n.last_access, n.creation_id, n) for n in self._leaves() if n.ref_count == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.chunks[0]]
+            freed.extend(leaf.pages)
+            self._cached -= len(leaf.pages)
+            self._evictable -= len(leaf.pages)
+            if parent is not self.root and not parent.children and parent.ref_count == 0:
+                heapq.heappush(heap, (parent.last_access, parent.creation_id, parent))
+        return freed
+
+    def _new_node(self, chunks: list[Chunk], pages: list[int], parent: Node | None) -> Node:
+        node = Node(chunks, pages, parent, self._next_id, self._clock)
+        self._next_id += 1
+        return node
+
+    def _chunks(self, tokens: Sequence[int], num_chunks: int) -> list[Chunk]:
+        size = self.page_size
+        return [tuple(tokens[i * size : (i + 1) * size]) for i in range(num_chunks)]
+
+    def _walk(self, chunks: list[Chunk]) -> tuple[Node, list[int]]:
+        """Follow ``chunks`` down as far as they are cached, splitting the edge where they stop.
+
+        Touches every node on the path; returns the deepest one and the pages of the path.
+        """
+        self._clock += 1
+        node, pages, i = self.root, [], 0
+        node.last_access = self._clock
+        while i < len(chunks) and (child := node.children.get(chunks[i])) is not None:
+            same = _common_length(child.chunks, chunks[i:])
+            if same < len(child.chunks):
+                child = self._split(child, same)
+            child.last_access = self._clock
+            pages.extend(child.pages)
+            node, i = child, i + same
+        return node, pages
+
+    def _split(self, node: Node, at: int) -> Node:
+        """Cut ``node``'s edge after ``at`` chunks; the new upper part becomes its parent.
+
+        ``node`` keeps its identity (and its deeper end), so a holder of its lock still
+        unlocks the whole path; the upper part inherits its references.
+        """
+        parent = node.parent
+        assert parent is not None and 0 < at < len(node.chunks)
+        upper = self._new_node(node.chunks[:at], node.pages[:at], parent)
+        upper.ref_count = node.ref_count
+        upper.last_access = node.last_access
+        # Reassigning an existing key keeps its place in the dict, so child order is unchanged.
+        parent.children[node.chunks[0]] = upper
+        node.chunks, node.pages, node.parent = node.chunks[at:], node.pages[at:], upper
+        upper.children[node.chunks[0]] = node
+        return upper
+
+    def _leaves(self) -> list[Node]:
+        leaves, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                leaves.append(node)
+        return leaves
+
+
+def _common_length(a: Sequence[Chunk], b: Sequence[Chunk]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n

@@ -1,0 +1,23 @@
+"""Scheduling policies: the Policy protocol, the built-ins, and loading by registered name."""
+
+from asyncinfer.policies.base import (
+    Decision,
+    Policy,
+    RunningRequest,
+    SchedulerView,
+    WaitingRequest,
+)
+from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, SkipAhead
+from asyncinfer.policies.registry import load_policy
+
+__all__ = [
+    "Decision",
+    "DecodeFirst",
+    "Policy",
+    "PrefillFirst",
+    "RunningRequest",
+    "SchedulerView",
+    "SkipAhead",
+    "WaitingRequest",
+    "load_policy",
+]

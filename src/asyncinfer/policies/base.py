@@ -1,0 +1,83 @@
+"""The Policy protocol: a policy reads a SchedulerView and returns a Decision.
+
+A policy chooses what runs next; the scheduler carries the choice out (admission control,
+chunking, page allocation). Policies must be deterministic: no clocks, randomness, object ids
+or hash order. Same view in, same decision out, on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from attrs import field, frozen
+
+
+@frozen
+class WaitingRequest:
+    """A request waiting for (the rest of) its prefill."""
+
+    uid: int
+    prompt_len: int
+    prefill_remaining: int      # prompt tokens still to compute (before prefix matching)
+    max_tokens: int             # output tokens it may still produce
+    arrival_round: int          # the scheduler round in which it arrived
+    waited_rounds: int          # rounds since arrival
+    chunked: bool               # part of its prompt is computed already (chunked prefill)
+
+
+@frozen
+class RunningRequest:
+    """A request that has finished its prefill and is decoding."""
+
+    uid: int
+    seq_len: int                # tokens so far, prompt and output
+    remaining_tokens: int       # output tokens it may still produce
+
+
+@frozen
+class SchedulerView:
+    """What a policy may read: a snapshot, never the scheduler itself."""
+
+    waiting: tuple[WaitingRequest, ...]   # arrival order
+    running: tuple[RunningRequest, ...]   # uid order
+    free_pages: int                        # pages a new request may still claim
+    free_slots: int                        # request slots (table rows) free
+    token_budget: int                      # prefill tokens one round may compute
+    page_size: int
+    round: int                             # logical clock: batches run so far
+    decode_streak: int                     # decode rounds in a row just before this one
+
+
+@frozen
+class Decision:
+    """Decode the running set, or prefill from ``candidates`` (uids, in this order).
+
+    With ``on_misfit="stop"`` admission ends at the first candidate that does not fit;
+    with ``"skip"`` that candidate is passed over and the next one is tried. If a prefill
+    admits nothing, the scheduler decodes instead (when anything is running).
+    """
+
+    action: Literal["prefill", "decode"]
+    candidates: tuple[int, ...] = field(default=(), converter=tuple)
+    on_misfit: Literal["stop", "skip"] = "stop"
+
+    @classmethod
+    def decode(cls) -> Decision:
+        """Run one decode round over every running request."""
+        return cls("decode")
+
+    @classmethod
+    def prefill(cls, candidates: Any, on_misfit: Literal["stop", "skip"] = "stop") -> Decision:
+        """Admit from ``candidates`` in order."""
+        return cls("prefill", tuple(candidates), on_misfit)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Chooses the next batch. Implement ``decide``; ``name`` shows in logs and metrics."""
+
+    name: str
+
+    def decide(self, view: SchedulerView) -> Decision:
+        """The decision for one round; called only when something is waiting or running."""
+        ...

@@ -1,0 +1,105 @@
+"""The cache manager: pages for requests, shared through the radix prefix cache or not."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncinfer.kvcache.pool import PageAllocator
+from asyncinfer.kvcache.radix import RadixCache
+from asyncinfer.scheduler.request import Req
+
+
+class CacheManager:
+    """Hands out pages, writes them into the page table, and gives them back at the end.
+
+    With ``cache_type="radix"`` a finished request's full pages stay in a prefix tree that
+    later requests match against; unreferenced ones are evicted, least recently used first,
+    when the free list runs short. With ``"naive"`` every page returns to the free list.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, page_table: torch.Tensor,
+                 cache_type: str) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.page_table = page_table
+        self.allocator = PageAllocator(num_pages)
+        self.radix = RadixCache(page_size) if cache_type == "radix" else None
+
+    @property
+    def available_pages(self) -> int:
+        """Pages that can be had now: free ones and evictable cached ones."""
+        evictable = self.radix.evictable_pages if self.radix is not None else 0
+        return self.allocator.num_free + evictable
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages owned by the prefix cache."""
+        return self.radix.cached_pages if self.radix is not None else 0
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.page_size)
+
+    def pages_to_finish(self, req: Req) -> int:
+        """Pages ``req`` must still allocate to reach its longest possible length."""
+        return self.pages_for(req.max_len) - len(req.pages)
+
+    def match(self, req: Req) -> None:
+        """Attach the longest cached prefix of the prompt to ``req`` and pin it."""
+        if self.radix is None:
+            return
+        found = self.radix.match_prefix(req.prompt_ids)
+        self.radix.lock(found.node)
+        req.prefix_node = found.node
+        req.pages = list(found.pages)
+        req.shared_pages = len(found.pages)
+        req.cached_len = req.prefix_len = found.num_tokens
+
+    def unmatch(self, req: Req) -> None:
+        """Undo ``match`` for a request that was not admitted after all."""
+        if self.radix is not None and req.prefix_node is not None:
+            self.radix.unlock(req.prefix_node)
+        req.prefix_node, req.pages, req.shared_pages = None, [], 0
+        req.cached_len = req.prefix_len = 0
+
+    def map_prefix(self, req: Req) -> None:
+        """Write the shared prefix pages of a newly admitted request into its table row."""
+        if req.shared_pages:
+            self._write(req.row, 0, req.pages[: req.shared_pages])
+
+    def allocate(self, req: Req, end: int) -> None:
+        """Give ``req`` pages for positions up to ``end``, evicting cached pages if needed."""
+        need = self.pages_for(end) - len(req.pages)
+        if need <= 0:
+            return
+        short = need - self.allocator.num_free
+        if short > 0:
+            assert self.radix is not None, "allocation beyond the free list without a cache"
+            self.allocator.free(self.radix.evict(short))
+        new = self.allocator.allocate(need)
+        self._write(req.row, len(req.pages), new)
+        req.pages.extend(new)
+
+    def release(self, req: Req, keep: bool) -> None:
+        """Return the pages of a finished or aborted request.
+
+        With ``keep`` (a normal finish) its full pages of computed KV go to the prefix cache.
+        """
+        own = req.pages[req.shared_pages :]
+        if self.radix is None:
+            self.allocator.free(own)
+        else:
+            if keep:
+                computed = req.token_ids()[: req.cached_len]
+                self.allocator.free(self.radix.insert(computed, req.pages))
+            else:
+                self.allocator.free(own)
+            if req.prefix_node is not None:
+                self.radix.unlock(req.prefix_node)
+        req.pages, req.shared_pages, req.prefix_node = [], 0, None
+
+    def _write(self, row: int, first_page: int, pages: list[int]) -> None:
+        slots = torch.tensor(pages, dtype=torch.int64)[:, None] * self.page_size
+        slots = (slots + torch.arange(self.page_size)).flatten()
+        start = first_page * self.page_size
+        self.page_table[row, start : start + slots.numel()] = slots.to(self.page_table.device)

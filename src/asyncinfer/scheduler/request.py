@@ -1,0 +1,84 @@
+"""A request as the scheduler tracks it, and the events it reports back."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from attrs import define, field, frozen
+
+from asyncinfer.params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@define(eq=False)
+class Req:
+    """One request: its tokens, where its KV lives, and how far it has got.
+
+    Positions ``[0, cached_len)`` have KV in the cache; the token pool row holds the prompt
+    and every sampled token. ``pages`` covers the positions in order; the first
+    ``shared_pages`` of them belong to the prefix cache, the rest to this request.
+    """
+
+    uid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                     # clamped to what fits the context and the pool
+    arrival_round: int
+    row: int = -1
+    cached_len: int = 0
+    prefix_len: int = 0                 # tokens found in the prefix cache at admission
+    output_ids: list[int] = field(factory=list)
+    pages: list[int] = field(factory=list)
+    shared_pages: int = 0
+    prefix_node: Any = None
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens so far: prompt and output."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_len(self) -> int:
+        """The longest this request's sequence can get."""
+        return self.prompt_len + self.max_tokens
+
+    @property
+    def admitted(self) -> bool:
+        """Holds a table row (and so pages)."""
+        return self.row >= 0
+
+    @property
+    def prefilled(self) -> bool:
+        """Its whole prompt has KV; it decodes from now on."""
+        return self.cached_len >= self.prompt_len
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Output tokens it may still produce."""
+        return self.max_tokens - len(self.output_ids)
+
+    def token_ids(self) -> list[int]:
+        """Prompt followed by output."""
+        return self.prompt_ids + self.output_ids
+
+
+@frozen
+class Event:
+    """What one round produced for one request: a token, a finish, or both (or an error)."""
+
+    uid: int
+    token: int | None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prefix_len: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """The request is done; no more events will follow."""
+        return self.finish_reason is not None

@@ -1,0 +1,121 @@
+"""``LLM.generate`` through the scheduler: token-exact with transformers for every built-in
+policy, cache type and chunked-prefill setting; plugins; prefix reuse; clamping."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from asyncinfer.api import LLM
+from asyncinfer.params import SamplingParams
+from tests.hf_reference import hf_greedy, load_hf
+
+POLICIES = [("prefill_first", {}), ("decode_first", {"max_decode_rounds": 2}),
+            ("skip_ahead", {"aging": 1.0, "threshold": 4.0})]
+_CASES: dict[str, tuple[list[list[int]], list[int], list[list[int]]]] = {}
+
+
+def cases(model_dir: Path) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Sixteen prompts (some sharing prefixes) with varied max_tokens, and HF's outputs."""
+    key = str(model_dir)
+    if key not in _CASES:
+        rng = random.Random(7)
+        shared = [rng.randrange(3, 500) for _ in range(20)]
+        prompts = []
+        for i in range(16):
+            head = shared[: rng.randrange(4, 20)] if i % 3 == 0 else []
+            prompts.append(head + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 70))])
+        max_tokens = [rng.randrange(1, 20) for _ in prompts]
+        hf = load_hf(model_dir)
+        _CASES[key] = prompts, max_tokens, [
+            hf_greedy(hf, p, n) for p, n in zip(prompts, max_tokens)]
+    return _CASES[key]
+
+
+def tiny_llm(model_dir: Path, **options: object) -> LLM:
+    defaults: dict[str, object] = {
+        "dtype": "float32", "page_size": 4, "max_running_requests": 4, "num_pages": 80,
+        "max_seq_len": 128}
+    return LLM(str(model_dir), skip_tokenizer_init=True, **{**defaults, **options})
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("policy, options", POLICIES, ids=[p for p, _ in POLICIES])
+@pytest.mark.parametrize("cache_type", ["naive", "radix"])
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
+def test_generate_is_token_exact_with_transformers(
+    tiny_llama_dir: Path, policy: str, options: dict[str, object], cache_type: str,
+    chunked: bool,
+) -> None:
+    prompts, max_tokens, expected = cases(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir, policy=policy, policy_options=options, cache_type=cache_type,
+                   chunked_prefill=chunked, max_extend_tokens=24 if chunked else 128)
+    outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.finish_reason == "length" for o in outputs)
+    sched = llm.scheduler
+    assert not sched.has_work
+    assert sched.cache.allocator.num_free + sched.cache.cached_pages == llm.runner.num_pages
+
+
+def test_qwen3_through_the_scheduler_is_token_exact(tiny_qwen3_dir: Path) -> None:
+    prompts, max_tokens, expected = cases(tiny_qwen3_dir)
+    llm = tiny_llm(tiny_qwen3_dir, policy="skip_ahead", max_extend_tokens=32)
+    outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_plugin_policy_is_found_by_entry_point_and_drives_generation(
+    tiny_llama_dir: Path,
+) -> None:
+    from asyncinfer.policies.registry import available_policies
+
+    assert "shortest_prompt_first" in available_policies()
+    prompts, max_tokens, expected = cases(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir, policy="shortest_prompt_first",
+                   policy_options={"max_wait_rounds": 5}, max_extend_tokens=40)
+    assert llm.policy.name == "shortest_prompt_first"
+    outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_radix_cache_computes_only_the_uncached_suffix(tiny_llama_dir: Path) -> None:
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 500) for _ in range(30)]
+    first = [*shared, 9, 9, 9]
+    second = [*shared, 7, 7, 7, 7, 7]
+    hf = load_hf(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir, cache_type="radix", page_size=4)
+    [out1] = llm.generate([first], greedy(6), use_tqdm=False)
+    computed_before = llm.scheduler.tokens_computed
+    [out2] = llm.generate([second], greedy(6), use_tqdm=False)
+    computed = llm.scheduler.tokens_computed - computed_before
+    assert out2.cached_tokens == 28  # 30 shared tokens, in whole pages of 4
+    # The uncached suffix of the prompt once, then one token per further output token.
+    assert computed == (len(second) - 28) + (6 - 1)
+    assert out1.token_ids == hf_greedy(hf, first, 6)
+    assert out2.token_ids == hf_greedy(hf, second, 6)
+
+
+def test_naive_cache_recomputes_the_whole_prompt(tiny_llama_dir: Path) -> None:
+    llm = tiny_llm(tiny_llama_dir, cache_type="naive")
+    llm.generate([[5] * 30], greedy(2), use_tqdm=False)
+    [out] = llm.generate([[5] * 30 + [6]], greedy(2), use_tqdm=False)
+    assert out.cached_tokens == 0
+
+
+def test_text_prompts_and_stop_strings(smollm2_dir: Path) -> None:
+    llm = LLM(None, dtype="float32", max_running_requests=2)
+    [out] = llm.generate("The capital of France is",
+                         SamplingParams(max_tokens=20, temperature=0.0, stop=["."]),
+                         use_tqdm=False)
+    assert out.text == " Paris"
+    assert out.finish_reason == "stop"
+    assert out.prompt == "The capital of France is"
+    assert out.metrics is not None and out.metrics.first_token_time is not None
+    assert not llm.scheduler.has_work and not llm.scheduler.running

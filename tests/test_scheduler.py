@@ -1,0 +1,167 @@
+"""The scheduler under random arrivals, lengths and aborts, driven with a fake engine.
+
+For every built-in policy and both cache types: budgets are never exceeded, pages are
+conserved after every step, finished and aborted requests hold nothing, every request
+finishes with the output it would have had alone, and each policy keeps its fairness promise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    rule,
+)
+
+from asyncinfer.config import EngineConfig
+from asyncinfer.params import SamplingParams
+from asyncinfer.policies.base import Policy
+from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, SkipAhead
+from asyncinfer.scheduler.scheduler import Scheduler
+from tests.fake_engine import EOS, FakeEngine, reference_output
+
+PREFIXES = [[], [5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23, 24, 25]]
+BUDGET = 24
+MAX_TOKENS = 12
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random arrivals, aborts and steps; the checks run after every step."""
+
+    policy: Policy
+    uids = Bundle("uids")
+
+    @initialize(cache_type=st.sampled_from(["radix", "naive"]), chunked=st.booleans(),
+                page_size=st.sampled_from([1, 4]))
+    def setup(self, cache_type: str, chunked: bool, page_size: int) -> None:
+        self.engine = FakeEngine(num_pages=160 // page_size, page_size=page_size, max_rows=4,
+                                 context_len=64, eos_every=13)
+        self.config = EngineConfig(cache_type=cache_type,  # type: ignore[arg-type]
+                                   max_extend_tokens=BUDGET if chunked else 64,
+                                   chunked_prefill=chunked)
+        self.sched = Scheduler(self.engine, self.policy, self.config, frozenset({EOS}))
+        self.next_uid = 0
+        self.expected: dict[int, list[int]] = {}
+        self.outputs: dict[int, list[int]] = {}
+        self.finished: dict[int, str] = {}
+        self.arrived: dict[int, int] = {}       # uid -> round of arrival
+        self.admitted: dict[int, int] = {}      # uid -> round of first admission
+        self.unfinished_before: dict[int, int] = {}
+        self.decode_streak = 0
+
+    @rule(target=uids, prefix=st.sampled_from(PREFIXES),
+          suffix=st.lists(st.integers(1, 49), min_size=1, max_size=30),
+          max_tokens=st.integers(1, MAX_TOKENS), ignore_eos=st.booleans())
+    def arrive(self, prefix: list[int], suffix: list[int], max_tokens: int,
+               ignore_eos: bool) -> int:
+        uid, self.next_uid = self.next_uid, self.next_uid + 1
+        prompt = prefix + suffix
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        self.sched.add_request(uid, prompt, params)
+        self.expected[uid] = reference_output(prompt, max_tokens, self.engine.vocab,
+                                              self.engine.eos_every, ignore_eos)
+        self.arrived[uid] = self.sched.round
+        self.unfinished_before[uid] = sum(1 for u in self.arrived if u not in self.finished) - 1
+        return uid
+
+    @rule(uid=consumes(uids))
+    def abort(self, uid: int) -> None:
+        if uid not in self.finished:
+            assert self.sched.abort(uid)
+
+    @rule()
+    def step(self) -> None:
+        sched = self.sched
+        waiting_fresh = [r.uid for r in sched.waiting if not r.admitted]
+        resumed = {r.uid for r in sched.waiting if r.admitted}
+        streak_before = sched.decode_streak
+        waited_before = bool(sched.waiting)
+        batches_before = len(self.engine.batches)
+        events = sched.step()
+        if len(self.engine.batches) > batches_before:
+            batch = self.engine.batches[-1]
+            assert batch.size <= self.engine.max_rows
+            if batch.phase == "prefill" or any(not s for s in batch.sample):
+                assert batch.num_tokens <= self.config.max_extend_tokens
+            uids = [r.uid for r in _scheduled_reqs(sched, batch)]
+            new = [u for u in uids if u not in resumed and u in waiting_fresh]
+            for u in new:
+                self.admitted[u] = sched.round - 1
+            self._check_fairness(batch, new, waiting_fresh, streak_before, waited_before)
+        self._record(events)
+
+    def _check_fairness(self, batch, new, waiting_fresh, streak, waited) -> None:  # type: ignore[no-untyped-def]
+        if isinstance(self.policy, PrefillFirst) and new:
+            assert new == waiting_fresh[: len(new)], "prefill_first admitted out of order"
+        if (isinstance(self.policy, DecodeFirst) and batch.phase == "decode" and waited
+                and streak >= self.policy.max_decode_rounds):
+            # Past the cap the policy must ask for prefill; decoding anyway means the
+            # scheduler found nothing admissible.
+            decision = self.sched.last_decision
+            assert decision is not None and decision.action == "prefill"
+
+    def _record(self, events) -> None:  # type: ignore[no-untyped-def]
+        for event in events:
+            assert event.uid not in self.finished, "event after finish"
+            if event.token is not None:
+                self.outputs.setdefault(event.uid, []).append(event.token)
+            if event.finished:
+                self.finished[event.uid] = event.finish_reason
+
+    @invariant()
+    def resources_are_conserved(self) -> None:
+        if hasattr(self, "sched"):
+            self.sched.check_invariants()
+
+    def teardown(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        for _ in range(2000):
+            if not self.sched.has_work:
+                break
+            self.step()
+        assert not self.sched.has_work, "requests left unfinished"
+        self.sched.check_invariants()
+        assert self.sched.cache.allocator.num_free + self.sched.cache.cached_pages == (
+            self.engine.num_pages)
+        assert len(self.sched.free_rows) == self.engine.max_rows
+        assert set(self.finished) == set(self.expected), "a request never finished"
+        for uid, reason in self.finished.items():
+            if reason in ("length", "stop"):
+                assert self.outputs[uid] == self.expected[uid], f"request {uid} output differs"
+        if isinstance(self.policy, SkipAhead):
+            chunks = math.ceil(64 / BUDGET)
+            for uid, admitted in self.admitted.items():
+                bound = self.policy.old_after + (self.unfinished_before[uid] + 1) * (
+                    MAX_TOKENS + chunks + 1)
+                assert admitted - self.arrived[uid] <= bound, (uid, admitted, bound)
+
+
+def _scheduled_reqs(sched: Scheduler, batch):  # type: ignore[no-untyped-def]
+    return sched.last_scheduled.reqs
+
+
+def _machine(policy: Policy) -> type[SchedulerMachine]:
+    return type(f"Machine_{policy.name}", (SchedulerMachine,), {"policy": policy})
+
+
+SETTINGS = settings(max_examples=40, stateful_step_count=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("policy", [
+    PrefillFirst(), DecodeFirst(max_decode_rounds=2), DecodeFirst(max_decode_rounds=1),
+    SkipAhead(aging=1.0, threshold=6.0), SkipAhead(aging=0.5, threshold=3.0),
+], ids=lambda p: f"{p.name}")
+def test_scheduler_invariants_hold_under_random_traffic(policy: Policy) -> None:
+    machine = _machine(policy)
+    machine.TestCase.settings = SETTINGS
+    machine.TestCase().runTest()
