@@ -32,3 +32,14 @@ def hf_greedy(model: torch.nn.Module, prompt: Sequence[int], new_tokens: int) ->
 def hf_last_logits(model: torch.nn.Module, sequence: Sequence[int]) -> torch.Tensor:
     """Float32 logits of the last position of one sequence."""
     return model(torch.tensor([list(sequence)])).logits[0, -1].float()
+
+
+def place_rows(runner: object, sequences: Sequence[Sequence[int]]) -> None:
+    """Put each sequence in its own table row, its KV slots in whole pages, row after row."""
+    page_table, token_pool = runner.page_table, runner.token_pool  # type: ignore[attr-defined]
+    page_size = runner.page_size  # type: ignore[attr-defined]
+    width = page_table.shape[1]
+    stride = -(-width // page_size) * page_size
+    for row, seq in enumerate(sequences):
+        token_pool[row, : len(seq)] = torch.tensor(list(seq))
+        page_table[row] = torch.arange(row * stride, row * stride + width)

@@ -6,16 +6,13 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from asyncinfer.api import LLM
 from asyncinfer.config import EngineConfig
 from asyncinfer.engine.batch import Batch
 from asyncinfer.engine.runner import ModelRunner
-from asyncinfer.kvcache.naive import NaiveCache
-from asyncinfer.kvcache.pool import PageAllocator
 from asyncinfer.params import SamplingParams
-from tests.hf_reference import hf_greedy, hf_last_logits, load_hf
+from tests.hf_reference import hf_greedy, hf_last_logits, load_hf, place_rows
 
 NEW_TOKENS = 64
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -47,7 +44,7 @@ def reference(model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
 
 def make_runner(model_dir: Path, page_size: int) -> ModelRunner:
     config = EngineConfig(dtype="float32", page_size=page_size, max_running_requests=8,
-                          max_seq_len=256, num_pages=2048 // page_size)
+                          max_seq_len=255, num_pages=2048 // page_size)
     return ModelRunner(config, model_dir)
 
 
@@ -85,10 +82,7 @@ def test_mixed_batch_logits_match_transformers(model_dir: Path) -> None:
     hf = load_hf(model_dir)
     rng = random.Random(1)
     seqs = [[rng.randrange(3, 500) for _ in range(n)] for n in (17, 40, 9)]
-    cache = NaiveCache(PageAllocator(runner.num_pages), runner.page_table, 16)
-    for row, seq in enumerate(seqs):
-        runner.token_pool[row, : len(seq)] = torch.tensor(seq)
-        cache.reserve(row, len(seq))
+    place_rows(runner, seqs)
     # Round one caches all but the last token of request 0 and the first 25 of request 1.
     runner.forward(Batch(rows=[0, 1], starts=[0, 0], ends=[16, 25], params=[GREEDY] * 2,
                          steps=[0, 0], sample=[False, False]))
@@ -101,16 +95,14 @@ def test_mixed_batch_logits_match_transformers(model_dir: Path) -> None:
         assert (logits[i] - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
-def test_decode_batch_logits_match_transformers(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_batch_logits_match_transformers(tiny_llama_dir: Path, page_size: int) -> None:
     """The padded decode path: requests of different cached lengths in one decode round."""
-    runner = make_runner(tiny_llama_dir, page_size=1)
+    runner = make_runner(tiny_llama_dir, page_size=page_size)
     hf = load_hf(tiny_llama_dir)
     rng = random.Random(2)
     seqs = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 31, 12, 50)]
-    cache = NaiveCache(PageAllocator(runner.num_pages), runner.page_table, 1)
-    for row, seq in enumerate(seqs):
-        runner.token_pool[row, : len(seq)] = torch.tensor(seq)
-        cache.reserve(row, len(seq))
+    place_rows(runner, seqs)
     rows = list(range(len(seqs)))
     runner.forward(Batch(rows=rows, starts=[0] * 4, ends=[len(s) - 1 for s in seqs],
                          params=[GREEDY] * 4, steps=[0] * 4, sample=[False] * 4))

@@ -12,11 +12,9 @@ from asyncinfer.api import LLM
 from asyncinfer.config import EngineConfig
 from asyncinfer.engine.batch import Batch
 from asyncinfer.engine.runner import ModelRunner
-from asyncinfer.kvcache.naive import NaiveCache
-from asyncinfer.kvcache.pool import PageAllocator
 from asyncinfer.models import source
 from asyncinfer.params import SamplingParams
-from tests.hf_reference import hf_greedy, hf_last_logits, load_hf
+from tests.hf_reference import hf_greedy, hf_last_logits, load_hf, place_rows
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -58,18 +56,22 @@ def test_dummy_weights_have_real_shapes_and_give_finite_logits(tiny_llama_dir: P
     assert len(out.token_ids) == 16
 
 
+@pytest.mark.parametrize("fp32_kernels", ["on", "off"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_logits_are_close_to_transformers(tiny_llama_dir: Path, dtype: str) -> None:
+def test_half_precision_logits_are_close_to_transformers(
+    tiny_llama_dir: Path, dtype: str, fp32_kernels: str
+) -> None:
     torch_dtype = getattr(torch, dtype)
-    runner = runner_for(tiny_llama_dir, dtype=dtype)
+    runner = runner_for(tiny_llama_dir, dtype=dtype, cpu_fp32_compute=fp32_kernels)
+    assert runner.config.fp32_kernels == (fp32_kernels == "on")
     hf = load_hf(tiny_llama_dir, dtype=torch_dtype)
     rng = random.Random(3)
     prompt = [rng.randrange(3, 500) for _ in range(40)]
     ref = hf_last_logits(hf, prompt)
-    NaiveCache(PageAllocator(runner.num_pages), runner.page_table, 16).reserve(0, 41)
-    runner.token_pool[0, :40] = torch.tensor(prompt)
+    place_rows(runner, [prompt])
     out = runner.forward(Batch(rows=[0], starts=[0], ends=[40], params=[GREEDY], steps=[0]))
-    assert runner.pool.k.dtype == torch_dtype
+    assert runner.pool.k.dtype == (torch.float32 if fp32_kernels == "on" else torch_dtype)
+    assert runner.model.layers[0].mlp.gate_up_proj.weight.dtype == torch_dtype
     assert (out.logits[0] - ref).abs().max() <= 0.05 * ref.abs().max()
     assert int(out.next_tokens[0]) == int(ref.argmax())
 

@@ -53,6 +53,12 @@ def _policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_offline(args: argparse.Namespace) -> int:
+    from asyncinfer.bench.offline import main as bench_main
+
+    return bench_main(args)
+
+
 def _bench_decode(args: argparse.Namespace) -> int:
     from asyncinfer.bench.decode import main as bench_main
 
@@ -95,6 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--repeats", type=int, default=3)
     decode.add_argument("--json", default=None, help="write the results to this file")
     decode.set_defaults(func=_bench_decode)
+
+    offline = bench_sub.add_parser(
+        "offline", help="offline tokens/s on DESIGN.md's workload, beside transformers and vLLM")
+    _add_model_args(offline)
+    offline.add_argument("--workload", choices=["cpu", "gpu"], default="cpu")
+    offline.add_argument("--policy", default="prefill_first")
+    offline.add_argument("--max-running-requests", type=int, default=64)
+    offline.add_argument("--page-size", type=int, default=16)
+    offline.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    offline.add_argument("--peers", default="transformers,vllm",
+                         help="comma-separated peers to run beside us ('' for none)")
+    offline.add_argument("--vllm-python", default=None,
+                         help="python of a venv with vLLM (bench/setup_vllm_cpu.sh makes one)")
+    offline.add_argument("--json", default=None, help="write the results to this file")
+    offline.set_defaults(func=_bench_offline)
     return parser
 
 

@@ -93,6 +93,9 @@ class EngineConfig:
     ``max_seq_len`` defaults to the model's context, capped at 8192 tokens.
     ``max_extend_tokens`` is the prefill token budget of one round; with ``chunked_prefill``
     a longer prompt is split across rounds, without it such a prompt is refused.
+    ``cpu_fp32_compute`` runs a bf16/fp16 model's matrix products and attention in float32
+    kernels on a CPU that lacks native half-precision units ("auto"), always ("on") or
+    never ("off"); values stay half-precision, only the kernels differ.
     """
 
     model: str | None = None
@@ -106,6 +109,7 @@ class EngineConfig:
     num_pages: int | None = field(default=None, validator=_positive)
     seed: int = 0
     cache_type: Literal["radix", "naive"] = "radix"
+    cpu_fp32_compute: Literal["auto", "on", "off"] = "auto"
     max_extend_tokens: int = field(default=4096, validator=_positive)
     chunked_prefill: bool = True
 
@@ -115,6 +119,9 @@ class EngineConfig:
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.cpu_fp32_compute not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"cpu_fp32_compute must be auto, on or off, got {self.cpu_fp32_compute!r}")
         if self.cache_type not in ("radix", "naive"):
             raise ConfigError(f"cache_type must be 'radix' or 'naive', got {self.cache_type!r}")
         if not self.device.startswith(("cpu", "cuda")):
@@ -125,7 +132,28 @@ class EngineConfig:
         """The dtype of weights, activations and the KV cache."""
         return parse_dtype(self.dtype)
 
+    @property
+    def fp32_kernels(self) -> bool:
+        """Whether half-precision values go through float32 kernels (see the docstring)."""
+        if not self.device.startswith("cpu") or self.torch_dtype == torch.float32:
+            return False
+        if self.cpu_fp32_compute != "auto":
+            return self.cpu_fp32_compute == "on"
+        return not _cpu_has_native(self.torch_dtype)
+
     def context_len(self, model: ModelConfig) -> int:
         """The longest sequence (prompt + output) a request may reach."""
         cap = self.max_seq_len or min(model.max_position_embeddings, 8192)
         return min(cap, model.max_position_embeddings)
+
+
+def _cpu_has_native(dtype: torch.dtype) -> bool:
+    """True when this CPU multiplies ``dtype`` in hardware (AVX-512 BF16/FP16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return True  # unknown platform: trust torch's own kernels
+    wanted = {"avx512_bf16", "amx_bf16"} if dtype == torch.bfloat16 else {"avx512_fp16",
+                                                                            "amx_fp16"}
+    return bool(flags & wanted)

@@ -44,10 +44,12 @@ class ModelRunner:
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.context_len = config.context_len(self.model_config)
         self.model = self._load_model(model_dir)
+        # With float32 kernels the cache holds half-precision values in float32 (exactly).
+        self.kv_dtype = torch.float32 if config.fp32_kernels else self.dtype
         self.num_pages = config.num_pages or self._pages_from_budget()
         cfg, page = self.model_config, config.page_size
         self.pool = KVPool(cfg.num_layers, self.num_pages, page, cfg.num_kv_heads,
-                           cfg.head_dim, self.dtype, self.device)
+                           cfg.head_dim, self.kv_dtype, self.device)
         self.page_size = page
         self.max_rows = config.max_running_requests
         # Whole pages per row, plus one column so a sampled token always has a place.
@@ -56,9 +58,11 @@ class ModelRunner:
         self.token_pool = torch.zeros(self.max_rows, width, dtype=torch.int64, device=self.device)
         self.backend = TorchBackend(self.pool, self.page_table, cfg.head_dim**-0.5)
         self.sampler = Sampler(config.seed)
-        logger.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB)", self.num_pages,
+        logger.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB)%s", self.num_pages,
                     page, self.num_pages * page,
-                    self.num_pages * page * cfg.kv_bytes_per_token(self.dtype) / 2**30)
+                    self.num_pages * page * cfg.kv_bytes_per_token(self.kv_dtype) / 2**30,
+                    "; float32 kernels for half-precision values" if config.fp32_kernels
+                    else "")
 
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
         cfg = self.model_config
@@ -72,10 +76,12 @@ class ModelRunner:
         else:
             model.load_weights(iter_safetensors(model_dir))
         model.to(device=self.device, dtype=self.dtype).eval()
+        if self.config.fp32_kernels:
+            model.use_fp32_shadow()
         return model
 
     def _pages_from_budget(self) -> int:
-        per_page = self.model_config.kv_bytes_per_token(self.dtype) * self.config.page_size
+        per_page = self.model_config.kv_bytes_per_token(self.kv_dtype) * self.config.page_size
         return max(1, int(self.config.kv_cache_gb * 2**30) // per_page)
 
     @torch.inference_mode()

@@ -20,9 +20,9 @@ class KVPool:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the K and V of new tokens into their slots."""
-        self.k[layer][loc] = k
-        self.v[layer][loc] = v
+        """Write the K and V of new tokens into their slots (widening them if the pool is)."""
+        self.k[layer][loc] = k.to(self.k.dtype)
+        self.v[layer][loc] = v.to(self.v.dtype)
 
 
 class PageAllocator:

@@ -1,4 +1,10 @@
-"""Linear layers that load several checkpoint tensors into one fused weight (q/k/v, gate/up)."""
+"""Linear layers, including ones that load several checkpoint tensors into one fused weight.
+
+On a CPU without native bf16/fp16 matrix units, a half-precision GEMM is emulated and several
+times slower than float32. There ``use_fp32_shadow`` keeps a float32 copy of the weight and
+multiplies in float32: half-precision inputs and weights, float32 accumulation, output
+rounded back — the arithmetic of a native bf16 GEMM, at float32 speed.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +13,33 @@ from torch import nn
 from torch.nn import functional as F
 
 
-class MergedLinear(nn.Module):
+class Linear(nn.Module):
+    """y = x Wᵀ + b, optionally through a float32 shadow of W (see the module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.shadow: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def use_fp32_shadow(self) -> None:
+        """Multiply in float32 from now on (call after the weights are final)."""
+        bias = None if self.bias is None else self.bias.detach().float()
+        self.shadow = (self.weight.detach().float(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shadow is not None:
+            return F.linear(x.float(), *self.shadow).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """One matmul for several projections of the same input; ``load(i, w)`` fills part i."""
 
     def __init__(self, in_features: int, out_features: list[int], bias: bool = False) -> None:
-        super().__init__()
+        super().__init__(in_features, sum(out_features), bias)
         self.sizes = list(out_features)
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features))
-        self.bias = nn.Parameter(torch.zeros(sum(self.sizes))) if bias else None
 
     def load(self, part: int, weight: torch.Tensor, is_bias: bool = False) -> None:
         """Copy a checkpoint tensor into rows of the fused parameter."""
@@ -26,5 +50,5 @@ class MergedLinear(nn.Module):
         with torch.no_grad():
             target[start : start + size].copy_(weight)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return super().forward(x).split(self.sizes, dim=-1)

