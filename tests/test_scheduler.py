@@ -22,10 +22,11 @@ from hypothesis.stateful import (
 )
 
 from asyncinfer.config import EngineConfig
+from asyncinfer.errors import EngineError
 from asyncinfer.params import SamplingParams
-from asyncinfer.policies.base import Policy
+from asyncinfer.policies.base import Decision, Policy
 from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, SkipAhead
-from asyncinfer.scheduler.scheduler import Scheduler
+from asyncinfer.scheduler.scheduler import ScheduledBatch, Scheduler
 from tests.fake_engine import EOS, FakeEngine, reference_output
 
 PREFIXES = [[], [5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23, 24, 25]]
@@ -40,8 +41,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     uids = Bundle("uids")
 
     @initialize(cache_type=st.sampled_from(["radix", "naive"]), chunked=st.booleans(),
-                page_size=st.sampled_from([1, 4]))
-    def setup(self, cache_type: str, chunked: bool, page_size: int) -> None:
+                page_size=st.sampled_from([1, 4]), overlap=st.booleans())
+    def setup(self, cache_type: str, chunked: bool, page_size: int, overlap: bool) -> None:
+        # With overlap, batch N+1 is scheduled (and computed) before N's results are seen.
+        self.overlap = overlap
+        self.inflight: tuple[ScheduledBatch, list[int]] | None = None
         self.engine = FakeEngine(num_pages=160 // page_size, page_size=page_size, max_rows=4,
                                  context_len=64, eos_every=13)
         self.config = EngineConfig(cache_type=cache_type,  # type: ignore[arg-type]
@@ -84,8 +88,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         resumed = {r.uid for r in sched.waiting if r.admitted}
         streak_before = sched.decode_streak
         waited_before = bool(sched.waiting)
+        round_before = sched.round
         batches_before = len(self.engine.batches)
-        events = sched.step()
+        events = self._advance()
         if len(self.engine.batches) > batches_before:
             batch = self.engine.batches[-1]
             assert batch.size <= self.engine.max_rows
@@ -94,9 +99,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             uids = [r.uid for r in _scheduled_reqs(sched, batch)]
             new = [u for u in uids if u not in resumed and u in waiting_fresh]
             for u in new:
-                self.admitted[u] = sched.round - 1
+                self.admitted[u] = round_before
             self._check_fairness(batch, new, waiting_fresh, streak_before, waited_before)
         self._record(events)
+
+    def _advance(self):  # type: ignore[no-untyped-def]
+        sched = self.sched
+        if not self.overlap:
+            return sched.step()
+        scheduled = sched.schedule()
+        launched = None
+        if scheduled is not None:
+            launched = (scheduled, self.engine.forward(scheduled.batch).next_tokens.tolist())
+        if self.inflight is not None:
+            sched.process(*self.inflight)
+        self.inflight = launched
+        sched.flush()
+        return sched.take_events()
 
     def _check_fairness(self, batch, new, waiting_fresh, streak, waited) -> None:  # type: ignore[no-untyped-def]
         if isinstance(self.policy, PrefillFirst) and new:
@@ -125,7 +144,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         for _ in range(2000):
-            if not self.sched.has_work:
+            if not self.sched.has_work and self.inflight is None:
                 break
             self.step()
         assert not self.sched.has_work, "requests left unfinished"
@@ -165,3 +184,20 @@ def test_scheduler_invariants_hold_under_random_traffic(policy: Policy) -> None:
     machine = _machine(policy)
     machine.TestCase.settings = SETTINGS
     machine.TestCase().runTest()
+
+
+class _DecodeOnly:
+    """A broken policy: it never admits anything."""
+
+    name = "decode_only"
+
+    def decide(self, view):  # type: ignore[no-untyped-def]
+        return Decision.decode()
+
+
+def test_a_policy_that_never_admits_is_a_clear_error_not_a_hang() -> None:
+    engine = FakeEngine()
+    sched = Scheduler(engine, _DecodeOnly(), EngineConfig(), frozenset())
+    sched.add_request(0, [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(EngineError, match=r"decode_only.*admitted nothing"):
+        sched.step()

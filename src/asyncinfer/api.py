@@ -1,15 +1,19 @@
-"""The public surface: ``LLM`` for offline batches, ``SamplingParams``, ``RequestOutput``."""
+"""The public surface: ``AsyncEngine`` (in-process, async), ``LLM`` (offline, synchronous),
+``SamplingParams``, ``RequestOutput`` and ``StreamDelta``."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-import torch
-from attrs import define, field, frozen
+from attrs import field, frozen
 
 from asyncinfer.config import EngineConfig
+from asyncinfer.coordinator import Coordinator
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.models.source import resolve_model
@@ -18,21 +22,12 @@ from asyncinfer.policies.base import Policy
 from asyncinfer.policies.registry import load_policy
 from asyncinfer.scheduler.request import FinishReason
 from asyncinfer.scheduler.scheduler import Scheduler
-from asyncinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from asyncinfer.tokenizer import Tokenizer
 
-__all__ = ["LLM", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncEngine", "EngineStats", "RequestMetrics", "RequestOutput",
+           "SamplingParams", "StreamDelta"]
 
 Prompt = str | Sequence[int]
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """One prompt (text or ids) or many, as a list of prompts."""
-    if isinstance(prompts, str):
-        return [prompts]
-    items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
-        return [items]  # type: ignore[list-item]
-    return items  # type: ignore[return-value]
 
 
 @frozen
@@ -59,37 +54,186 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
 
 
-@define
-class _Tracked:
-    prompt: str | None
-    prompt_ids: list[int]
-    detok: IncrementalDetokenizer | None
-    arrival: float
+@frozen
+class StreamDelta:
+    """What one request produced since the last delta; the last one carries the output."""
+
+    text: str
     token_ids: list[int] = field(factory=list)
-    first_token: float | None = None
+    finish_reason: FinishReason | None = None
+    output: RequestOutput | None = None
 
 
-class LLM:
-    """Offline generation over the same scheduling loop the server uses.
+@frozen
+class EngineStats:
+    """A snapshot for metrics and tests."""
 
-    ``LLM(model=None)`` runs the embedded SmolLM2-135M-Instruct. ``policy`` is a registered
-    name (see ``asyncinfer policies``) or a Policy instance; the other options are those of
-    :class:`~asyncinfer.config.EngineConfig`.
+    waiting: int
+    running: int
+    kv_pages_used: int
+    kv_pages_total: int
+    batches_prefill: int
+    batches_decode: int
+
+
+class AsyncEngine:
+    """The engine in-process: ``await generate(...)`` and ``async for d in stream(...)``.
+
+    Same options as :class:`LLM`, plus ``overlap`` (schedule batch N+1 while batch N runs).
+    Use ``async with AsyncEngine(...) as engine``. Cancelling a task that awaits a request
+    aborts the request and frees its slot and pages.
     """
 
     def __init__(self, model: str | None = None, *, policy: str | Policy = "prefill_first",
-                 policy_options: Mapping[str, Any] | None = None,
+                 policy_options: Mapping[str, Any] | None = None, overlap: bool = True,
                  skip_tokenizer_init: bool = False, **engine_options: Any) -> None:
         model_dir = resolve_model(model)
+        self.model_name = model_dir.name
         self.config = EngineConfig(model=str(model_dir), **engine_options)
         self.policy = load_policy(policy, policy_options)
         # Without a tokenizer prompts must be token ids and outputs carry no text.
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(model_dir)
         self.runner = ModelRunner(self.config, model_dir)
+        self.context_len = self.runner.context_len
         eos = (self.tokenizer.eos_token_ids if self.tokenizer is not None
                else _config_eos_ids(self.runner.model_config.hf_config))
         self.scheduler = Scheduler(self.runner, self.policy, self.config, eos)
-        self._next_uid = 0
+        self.overlap = overlap
+        self._coordinator: Coordinator | None = None
+        self._uids = itertools.count()
+
+    async def start(self) -> None:
+        """Start the coordinator on the running event loop."""
+        if self._coordinator is None:
+            self._coordinator = Coordinator(self.scheduler, self.runner.forward, self.overlap)
+            self._coordinator.start()
+
+    async def close(self) -> None:
+        """Fail what is still running, wait for the batch in flight, stop the loop."""
+        if self._coordinator is not None:
+            await self._coordinator.stop()
+            self._coordinator = None
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (text needs the tokenizer)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise InvalidRequestError("text prompts need a tokenizer (skip_tokenizer_init=True)")
+        return self.tokenizer.encode(prompt)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None
+                       ) -> RequestOutput:
+        """Run one request to the end."""
+        output = None
+        async for delta in self.stream(prompt, params):
+            output = delta.output
+        assert output is not None
+        return output
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None
+                     ) -> AsyncIterator[StreamDelta]:
+        """Text deltas of one request as they are produced; the last carries the output."""
+        if self._coordinator is None:
+            raise RuntimeError("the engine is not started: use `async with AsyncEngine(...)`")
+        coordinator = self._coordinator
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        uid = next(self._uids)
+        arrival, first_token = time.perf_counter(), None
+        detok = self.tokenizer.detokenizer(params, ids) if self.tokenizer is not None else None
+        tokens: list[int] = []
+        channel = coordinator.add(uid, ids, params)
+        done = False
+        try:
+            while not done:
+                event = await channel.get()
+                reason = event.finish_reason
+                new: list[int] = []
+                text = ""
+                if event.token is not None:
+                    new = [event.token]
+                    tokens.append(event.token)
+                    first_token = first_token or time.perf_counter()
+                    if detok is not None:
+                        text = detok.push(new)
+                        if detok.stopped and reason is None:  # a stop string matched
+                            coordinator.abort(uid)
+                            reason = "stop"
+                if reason is None:
+                    if text or new:
+                        yield StreamDelta(text, new)
+                    continue
+                done = True
+                full = ""
+                if detok is not None:
+                    text += detok.finish()
+                    full = detok.text
+                    reason = "stop" if detok.stopped else reason
+                output = RequestOutput(
+                    uid, prompt if isinstance(prompt, str) else None, ids, full, tokens, reason,
+                    event.error, event.prefix_len,
+                    RequestMetrics(arrival, first_token, time.perf_counter()))
+                yield StreamDelta(text, new, reason, output)
+        finally:
+            if not done:  # cancelled, or the consumer stopped listening
+                coordinator.abort(uid)
+
+    async def wait_idle(self) -> None:
+        """Wait until the engine has applied every message and has nothing to run."""
+        if self._coordinator is not None:
+            await self._coordinator.wait_idle()
+
+    def stats(self) -> EngineStats:
+        """Waiting and running requests, KV pages in use, batches run by phase."""
+        if self._coordinator is None:
+            return EngineStats(0, 0, 0, self.runner.num_pages, 0, 0)
+        return EngineStats(**self._coordinator.stats())
+
+
+class LLM:
+    """Offline generation: a synchronous front of the same engine the server runs.
+
+    ``LLM(model=None)`` runs the embedded SmolLM2-135M-Instruct. ``policy`` is a registered
+    name (see ``asyncinfer policies``) or a Policy instance; the other options are those of
+    :class:`~asyncinfer.config.EngineConfig`, plus ``overlap`` and ``skip_tokenizer_init``.
+    """
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.engine = AsyncEngine(model, **options)
+        self._loop = asyncio.new_event_loop()
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (None with ``skip_tokenizer_init``)."""
+        return self.engine.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        """The validated engine options."""
+        return self.engine.config
+
+    @property
+    def policy(self) -> Policy:
+        """The scheduling policy in use."""
+        return self.engine.policy
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner (model, KV pool, token pool)."""
+        return self.engine.runner
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler (tests and traces look inside)."""
+        return self.engine.scheduler
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -102,61 +246,43 @@ class LLM:
         if len(params_list) != len(batch):
             raise InvalidRequestError(
                 f"{len(batch)} prompts but {len(params_list)} sampling params")
-        tracked: dict[int, _Tracked] = {}
-        order = []
-        for prompt, p in zip(batch, params_list):
-            uid = self._next_uid
-            self._next_uid += 1
-            ids = self._encode(prompt)
-            detok = self.tokenizer.detokenizer(p, ids) if self.tokenizer is not None else None
-            tracked[uid] = _Tracked(prompt if isinstance(prompt, str) else None, ids, detok,
-                                    time.perf_counter())
-            order.append(uid)
-            self.scheduler.add_request(uid, ids, p)
-        outputs = self._run(tracked, use_tqdm)
-        return [outputs[uid] for uid in order]
+        return self._loop.run_until_complete(self._generate(batch, params_list, use_tqdm))
 
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.tokenizer is None:
-            raise InvalidRequestError("text prompts need a tokenizer (skip_tokenizer_init=True)")
-        return self.tokenizer.encode(prompt)
-
-    def _run(self, tracked: dict[int, _Tracked], use_tqdm: bool) -> dict[int, RequestOutput]:
+    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
+                        use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
-        outputs: dict[int, RequestOutput] = {}
-        bar = tqdm(total=len(tracked), desc="generate", unit="req", disable=not use_tqdm)
-        with torch.inference_mode():
-            while len(outputs) < len(tracked):
-                for event in self.scheduler.step():
-                    t = tracked[event.uid]  # every uid in flight was added by this call
-                    reason = event.finish_reason
-                    detok = t.detok
-                    stopped = detok is not None and detok.stopped
-                    if event.token is not None and not stopped:
-                        t.token_ids.append(event.token)
-                        t.first_token = t.first_token or time.perf_counter()
-                        if detok is not None:
-                            detok.push([event.token])
-                            if detok.stopped and reason is None:  # a stop string matched
-                                self.scheduler.abort(event.uid, notify=False)
-                                reason = "stop"
-                    if reason is None or event.uid in outputs:
-                        continue
-                    text = ""
-                    if detok is not None:
-                        detok.finish()
-                        text = detok.text
-                        reason = "stop" if detok.stopped else reason
-                    outputs[event.uid] = RequestOutput(
-                        event.uid, t.prompt, t.prompt_ids, text, t.token_ids, reason,
-                        event.error, event.prefix_len,
-                        RequestMetrics(t.arrival, t.first_token, time.perf_counter()))
-                    bar.update(1)
-        bar.close()
-        return outputs
+        await self.engine.start()
+        with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            async def one(prompt: Prompt, p: SamplingParams) -> RequestOutput:
+                out = await self.engine.generate(prompt, p)
+                bar.update(1)
+                return out
+
+            outputs = await asyncio.gather(*(one(x, p) for x, p in zip(prompts, params)))
+        # Requests ended by a stop string were aborted by message; let the loop apply that.
+        await self.engine.wait_idle()
+        return list(outputs)
+
+    def close(self) -> None:
+        """Stop the engine's loop (also done when the object is collected)."""
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self.engine.close())
+            self._loop.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or ids) or many, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # type: ignore[list-item]
+    return items  # type: ignore[return-value]
 
 
 def _config_eos_ids(hf_config: Any) -> frozenset[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from attrs import define
 from torch.nn import functional as F
@@ -18,8 +20,16 @@ class TorchMetadata:
     kv_slots: list[torch.Tensor]          # per request: slots of positions [0, end)
     q_bounds: list[tuple[int, int]]       # per request: its rows in the flat token axis
     starts: list[int]
-    decode_pages: torch.Tensor | None     # [B * P] pages of each request, padded, when decoding
-    decode_mask: torch.Tensor | None      # [B, 1, 1, P * page_size] key j valid for request b
+    decode_groups: list[DecodeGroup]      # when every request decodes
+
+
+@define
+class DecodeGroup:
+    """Decoding requests of similar length, attended in one padded SDPA call."""
+
+    index: torch.Tensor | None            # their rows in the batch (None: the whole batch)
+    pages: torch.Tensor                   # [n * P] their pages, padded to the longest
+    mask: torch.Tensor                    # [n, 1, 1, P * page_size] key j valid for request i
 
 
 class TorchBackend:
@@ -44,16 +54,34 @@ class TorchBackend:
         for n in batch.extend_lens:
             bounds.append((offset, offset + n))
             offset += n
-        pages = mask = None
-        if batch.phase == "decode":
-            device, size = out_loc.device, self.pool.page_size
-            width = -(-max(batch.ends) // size) * size
-            rows = torch.tensor(batch.rows, device=device)
-            # Whole pages are gathered: one long copy each instead of one per token.
-            pages = (self.page_table[rows, :width:size] // size).flatten()
-            ends = torch.tensor(batch.ends, device=device)
-            mask = (torch.arange(width, device=device)[None, :] < ends[:, None])[:, None, None]
-        return TorchMetadata(out_loc, kv_slots, bounds, list(batch.starts), pages, mask)
+        groups = self._decode_groups(batch, out_loc.device) if batch.phase == "decode" else []
+        return TorchMetadata(out_loc, kv_slots, bounds, list(batch.starts), groups)
+
+    def _decode_groups(self, batch: Batch, device: torch.device) -> list[DecodeGroup]:
+        # Padding every request to the longest wastes attention on short ones: requests are
+        # sorted by length and split into a few groups, each padded to its own longest.
+        count = min(_MAX_GROUPS, -(-batch.size // _MIN_GROUP))
+        if count == 1:
+            return [self._group(None, batch.rows, batch.ends, device)]
+        order = sorted(range(batch.size), key=lambda i: batch.ends[i])
+        bounds = [round(g * batch.size / count) for g in range(count + 1)]
+        groups = []
+        for lo, hi in itertools.pairwise(bounds):
+            members = order[lo:hi]
+            index = torch.tensor(members, device=device)
+            groups.append(self._group(index, [batch.rows[i] for i in members],
+                                      [batch.ends[i] for i in members], device))
+        return groups
+
+    def _group(self, index: torch.Tensor | None, rows: list[int], ends: list[int],
+               device: torch.device) -> DecodeGroup:
+        size = self.pool.page_size
+        width = -(-max(ends) // size) * size
+        # Whole pages are gathered: one long copy each instead of one per token.
+        pages = self.page_table[torch.tensor(rows, device=device), :width:size] // size
+        lengths = torch.tensor(ends, device=device)
+        mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
+        return DecodeGroup(index, pages.flatten(), mask[:, None, None])
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -64,16 +92,22 @@ class TorchBackend:
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
         out_dtype, dtype = q.dtype, k_pool.dtype
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        if meta.decode_pages is not None:
-            assert meta.decode_mask is not None
-            b, width = q.shape[0], meta.decode_mask.shape[-1]
-            shape = (b, width, *k_pool.shape[1:])
-            keys = _gather_pages(k_pool, meta.decode_pages, self.pool.page_size).view(shape)
-            values = _gather_pages(v_pool, meta.decode_pages, self.pool.page_size).view(shape)
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True)
-            return out.reshape(b, -1).to(out_dtype)
+        if meta.decode_groups:
+            out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+            for group in meta.decode_groups:
+                qg = q if group.index is None else q.index_select(0, group.index)
+                n, width = qg.shape[0], group.mask.shape[-1]
+                shape = (n, width, *k_pool.shape[1:])
+                keys = _gather_pages(k_pool, group.pages, self.pool.page_size).view(shape)
+                values = _gather_pages(v_pool, group.pages, self.pool.page_size).view(shape)
+                res = F.scaled_dot_product_attention(
+                    qg.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                    attn_mask=group.mask, scale=self.scale, enable_gqa=True).reshape(n, -1)
+                if group.index is None:
+                    out = res
+                else:
+                    out.index_copy_(0, group.index, res)
+            return out.to(out_dtype)
         outs = []
         for (lo, hi), start, slots in zip(meta.q_bounds, meta.starts, meta.kv_slots):
             qr = q[lo:hi].transpose(0, 1).unsqueeze(0)             # [1, heads, n, dim]
@@ -92,6 +126,10 @@ class TorchBackend:
                 scale=self.scale, enable_gqa=True)
             outs.append(out.squeeze(0).transpose(0, 1).reshape(n, -1))
         return (torch.cat(outs) if len(outs) > 1 else outs[0]).to(out_dtype)
+
+
+_MAX_GROUPS = 4     # padded SDPA calls per decode layer at most
+_MIN_GROUP = 8      # requests per group at least
 
 
 def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:

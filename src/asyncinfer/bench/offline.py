@@ -104,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
     ours = results[0]["tokens_per_s"]
     for r in results:
         print(f"{r['engine']:<45} {r['tokens']:>7} tok  {r['seconds']:>8.1f} s  "
-              f"{r['tokens_per_s']:>8.1f} tok/s  ({ours / r['tokens_per_s']:.2f}x ours)")
+              f"{r['tokens_per_s']:>8.1f} tok/s  (asyncinfer: {ours / r['tokens_per_s']:.2f}x)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

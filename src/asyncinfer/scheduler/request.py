@@ -15,9 +15,10 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 class Req:
     """One request: its tokens, where its KV lives, and how far it has got.
 
-    Positions ``[0, cached_len)`` have KV in the cache; the token pool row holds the prompt
-    and every sampled token. ``pages`` covers the positions in order; the first
-    ``shared_pages`` of them belong to the prefix cache, the rest to this request.
+    Positions ``[0, cached_len)`` have KV computed or computing in a launched batch;
+    ``device_len`` tokens are in its token pool row, counting a sampled token not yet seen
+    by the host. ``output_ids`` are the tokens the host has received. ``pages`` covers the
+    positions in order; the first ``shared_pages`` belong to the prefix cache.
     """
 
     uid: int
@@ -32,6 +33,8 @@ class Req:
     pages: list[int] = field(factory=list)
     shared_pages: int = 0
     prefix_node: Any = None
+    device_len: int = 0
+    finished: bool = False
 
     @property
     def prompt_len(self) -> int:

@@ -15,6 +15,7 @@ from attrs import define
 
 from asyncinfer.config import EngineConfig
 from asyncinfer.engine.batch import Batch
+from asyncinfer.errors import EngineError
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import (
     Decision,
@@ -38,6 +39,7 @@ class ScheduledBatch:
     batch: Batch
     reqs: list[Req]
     phase: str
+    seq: int = 0      # 1, 2, ... in launch order
 
 
 class Scheduler:
@@ -60,6 +62,11 @@ class Scheduler:
         self.last_decision: Decision | None = None
         self.last_scheduled: ScheduledBatch | None = None
         self._events: list[Event] = []
+        self._launched = 0                      # batches scheduled so far
+        self._processed = 0                     # batches whose results were processed
+        # Finished or aborted requests whose row and pages a launched batch may still touch,
+        # with the batch they wait for: with overlap, batch N+1 runs while N is processed.
+        self._deferred: list[tuple[int, Req, bool]] = []
 
     # ---- receive -------------------------------------------------------------------------
 
@@ -97,6 +104,7 @@ class Scheduler:
             req = self.running.pop(uid)
         else:
             return False
+        req.finished = True
         if req.admitted:
             self._release(req, keep=False)
         if notify:
@@ -105,8 +113,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        """Something is waiting, running, or has an event to report."""
-        return bool(self.waiting or self.running or self._events)
+        """Something is waiting, running, releasing, or has an event to report."""
+        return bool(self.waiting or self.running or self._events or self._deferred)
+
+    @property
+    def in_flight(self) -> int:
+        """Batches launched whose results have not been processed yet."""
+        return self._launched - self._processed
 
     # ---- select and prepare ----------------------------------------------------------------
 
@@ -129,18 +142,31 @@ class Scheduler:
         )
 
     def schedule(self) -> ScheduledBatch | None:
-        """Ask the policy, then build the batch it chose (or the fallback decode)."""
+        """Ask the policy, then build the batch it chose (or the fallback decode).
+
+        None when there is nothing to run until a batch in flight is processed.
+        """
         if not (self.waiting or self.running):
             return None
         decision = self.last_decision = self.policy.decide(self.view())
         batch = None
         if decision.action == "prefill":
             batch = self._schedule_prefill(decision)
-        if batch is None and self.running:
+        if batch is None:
             batch = self._schedule_decode()
-        if batch is not None:
-            self.decode_streak = self.decode_streak + 1 if batch.phase == "decode" else 0
-            self.last_scheduled = batch
+        if batch is None:
+            if self.in_flight == 0 and not self.running and not self._deferred:
+                # Nothing runs and nothing will be freed: waiting again would hang.
+                raise EngineError(
+                    f"policy {self.policy.name!r} admitted nothing into an idle engine "
+                    f"(decision {decision.action}, candidates "
+                    f"{list(decision.candidates)[:8]}); a policy must offer a waiting "
+                    "request when nothing is running")
+            return None
+        self._launched += 1
+        batch.seq = self._launched
+        self.decode_streak = self.decode_streak + 1 if batch.phase == "decode" else 0
+        self.last_scheduled = batch
         return batch
 
     def _schedule_prefill(self, decision: Decision) -> ScheduledBatch | None:
@@ -167,42 +193,59 @@ class Scheduler:
         ends = [end for _, end in adder.admitted]
         batch = Batch(rows=[r.row for r in reqs], starts=[r.cached_len for r in reqs],
                       ends=ends, params=[r.params for r in reqs],
-                      steps=[len(r.output_ids) for r in reqs],
+                      steps=[0] * len(reqs),
                       sample=[e == r.prompt_len for r, e in zip(reqs, ends)])
+        for req, end in adder.admitted:
+            req.cached_len = end
+            if end == req.prompt_len:  # its first token is on the way: it decodes from now on
+                req.device_len = end + 1
+                self.waiting.remove(req)
+                self.running[req.uid] = req
         return ScheduledBatch(batch, reqs, "prefill")
 
-    def _schedule_decode(self) -> ScheduledBatch:
-        reqs = self._running_in_uid_order()
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        # A request whose last token is already launched has nothing left to decode.
+        reqs = [r for r in self._running_in_uid_order() if r.device_len < r.max_len]
+        if not reqs:
+            return None
         for req in reqs:
-            self.cache.allocate(req, req.seq_len)
-        batch = Batch(rows=[r.row for r in reqs], starts=[r.seq_len - 1 for r in reqs],
-                      ends=[r.seq_len for r in reqs], params=[r.params for r in reqs],
-                      steps=[len(r.output_ids) for r in reqs])
+            self.cache.allocate(req, req.device_len)
+        batch = Batch(rows=[r.row for r in reqs], starts=[r.device_len - 1 for r in reqs],
+                      ends=[r.device_len for r in reqs], params=[r.params for r in reqs],
+                      steps=[r.device_len - r.prompt_len for r in reqs])
+        for req in reqs:
+            req.cached_len = req.device_len
+            req.device_len += 1
         return ScheduledBatch(batch, reqs, "decode")
 
     # ---- forward and process ---------------------------------------------------------------
 
     def step(self) -> list[Event]:
-        """One round: schedule, run the batch on the engine, process its results."""
+        """One round without overlap: schedule, run the batch, process its results."""
         scheduled = self.schedule()
         if scheduled is not None:
             tokens = self.engine.forward(scheduled.batch).next_tokens.tolist()
             self.process(scheduled, tokens)
+        return self.take_events()
+
+    def take_events(self) -> list[Event]:
+        """Events produced since the last call, in order."""
         events, self._events = self._events, []
         return events
 
     def process(self, scheduled: ScheduledBatch, tokens: list[int]) -> None:
-        """Hand each request its token, finish those that are done, free their resources."""
+        """Hand each request its token, finish those that are done, free what may be freed.
+
+        Batches must be processed in launch order.
+        """
+        assert scheduled.seq == self._processed + 1, "batches processed out of order"
+        self._processed = scheduled.seq
         self.round += 1
         self.tokens_computed += scheduled.batch.num_tokens
-        for req, end, sampled, token in zip(scheduled.reqs, scheduled.batch.ends,
-                                            scheduled.batch.sample, tokens):
-            req.cached_len = end
-            if not sampled:
+        self._release_deferred()
+        for req, sampled, token in zip(scheduled.reqs, scheduled.batch.sample, tokens):
+            if not sampled or req.finished:  # a mid-prompt chunk, or a result nobody awaits
                 continue
-            if not req.output_ids:  # prefill complete: it decodes from now on
-                self.waiting.remove(req)
-                self.running[req.uid] = req
             req.output_ids.append(token)
             reason: FinishReason | None = None
             if token in self.eos_token_ids and not req.params.ignore_eos:
@@ -211,6 +254,7 @@ class Scheduler:
                 reason = "length"
             self._events.append(Event(req.uid, token, reason, prefix_len=req.prefix_len))
             if reason is not None:
+                req.finished = True
                 del self.running[req.uid]
                 self._release(req, keep=True)
 
@@ -224,14 +268,43 @@ class Scheduler:
         return sum(self.cache.pages_to_finish(r) for r in active)
 
     def _release(self, req: Req, keep: bool) -> None:
+        if self.in_flight:  # a launched batch may still read or write its row and pages
+            self._deferred.append((self._launched, req, keep))
+            return
         self.cache.release(req, keep)
         self.free_rows.append(req.row)
         self.free_rows.sort()
         req.row = -1
 
+    def _release_deferred(self) -> None:
+        waiting = []
+        for batch_seq, req, keep in self._deferred:
+            if batch_seq > self._processed:
+                waiting.append((batch_seq, req, keep))
+                continue
+            self.cache.release(req, keep)
+            self.free_rows.append(req.row)
+            req.row = -1
+        self.free_rows.sort()
+        self._deferred = waiting
+
+    def abort_all(self) -> None:
+        """Drop every request after a failed round; launched batches count as done (the
+        caller waited for them to stop running)."""
+        self._processed = self._launched
+        for uid in [r.uid for r in self.waiting] + list(self.running):
+            self.abort(uid, notify=False)
+        self._release_deferred()
+
+    def flush(self) -> None:
+        """Release what finished requests hold once no batch is in flight."""
+        if self.in_flight == 0:
+            self._release_deferred()
+
     def check_invariants(self) -> None:
         """Every page is free, cached or owned by exactly one active request; rows likewise."""
         active = list(self.running.values()) + [r for r in self.waiting if r.admitted]
+        active += [req for _, req, _ in self._deferred]
         owned = sum(len(r.pages) - r.shared_pages for r in active)
         free, cached = self.cache.allocator.num_free, self.cache.cached_pages
         assert free + cached + owned == self.engine.num_pages, (free, cached, owned)

@@ -1,0 +1,187 @@
+"""The asyncio coordinator: one task that feeds the scheduler and never blocks the loop.
+
+It awaits its inbound command queue only when there is nothing to run, asks the scheduler for
+a batch, runs the forward in a worker thread (the loop keeps serving while the model
+computes), and delivers each request's events to its channel. With ``overlap`` batch N+1 is
+scheduled and launched before the results of batch N are processed: inputs come from the
+token pool, so scheduling never needs the token values of the batch in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from attrs import define
+
+from asyncinfer.engine.batch import Batch
+from asyncinfer.engine.runner import ForwardOutput
+from asyncinfer.params import SamplingParams
+from asyncinfer.scheduler.request import Event
+from asyncinfer.scheduler.scheduler import ScheduledBatch, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@define
+class _Add:
+    uid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@define
+class _Abort:
+    uid: int
+    notify: bool
+
+
+@define
+class _Launched:
+    scheduled: ScheduledBatch
+    future: asyncio.Future[ForwardOutput]
+
+
+class Coordinator:
+    """Owns the scheduler's loop; frontends talk to it only through ``add`` and ``abort``."""
+
+    def __init__(self, scheduler: Scheduler, forward: Callable[[Batch], ForwardOutput],
+                 overlap: bool = True) -> None:
+        self.scheduler = scheduler
+        self.forward = forward
+        self.overlap = overlap
+        self.batches = {"prefill": 0, "decode": 0}
+        self._commands: asyncio.Queue[_Add | _Abort | None] = asyncio.Queue()
+        self._channels: dict[int, asyncio.Queue[Event]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-fwd")
+        self._task: asyncio.Task[None] | None = None
+        self._idle = asyncio.Event()            # set while the loop waits with nothing to do
+
+    # ---- frontend side ---------------------------------------------------------------------
+
+    def add(self, uid: int, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue[Event]:
+        """Queue a request; its events arrive on the returned channel, the last one finished."""
+        channel: asyncio.Queue[Event] = asyncio.Queue()
+        self._channels[uid] = channel
+        self._commands.put_nowait(_Add(uid, prompt_ids, params))
+        return channel
+
+    def abort(self, uid: int, notify: bool = False) -> None:
+        """Stop a request and free what it holds; its channel gets no more events."""
+        self._channels.pop(uid, None)
+        self._commands.put_nowait(_Abort(uid, notify))
+
+    def start(self) -> None:
+        """Start the loop task on the running event loop."""
+        assert self._task is None, "already started"
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="asyncinfer")
+
+    async def stop(self) -> None:
+        """Cancel every request, let the batch in flight finish, end the loop."""
+        if self._task is None:
+            return
+        self._commands.put_nowait(None)
+        await self._task
+        self._task = None
+        self._executor.shutdown(wait=True)
+
+    async def wait_idle(self) -> None:
+        """Return once every command is applied and nothing runs or waits."""
+        while True:
+            await self._idle.wait()
+            if self._commands.empty():
+                return
+            await asyncio.sleep(0)
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        inflight: _Launched | None = None
+        while True:
+            if inflight is None and not self.scheduler.has_work:
+                self._idle.set()
+                command = await self._commands.get()
+                self._idle.clear()
+                if not self._apply(command):
+                    break
+            if not self._drain_commands():
+                await self._fail_all("the engine is shutting down")
+                break
+            try:
+                inflight = await self._round(inflight)
+            except Exception as exc:  # a failed round must not take the server down
+                logger.exception("engine round failed")
+                await self._fail_all(f"engine error: {exc}")
+                inflight = None
+            self._deliver(self.scheduler.take_events())
+
+    async def _round(self, inflight: _Launched | None) -> _Launched | None:
+        launched = None
+        if self.overlap or inflight is None:
+            scheduled = self.scheduler.schedule()
+            if scheduled is not None:
+                launched = self._launch(scheduled)
+        if inflight is not None:
+            await self._finish(inflight)
+        if launched is not None and not self.overlap:
+            await self._finish(launched)
+            launched = None
+        self.scheduler.flush()
+        return launched
+
+    def _launch(self, scheduled: ScheduledBatch) -> _Launched:
+        self.batches[scheduled.phase] += 1
+        loop = asyncio.get_running_loop()
+        return _Launched(scheduled, loop.run_in_executor(self._executor, self.forward,
+                                                         scheduled.batch))
+
+    async def _finish(self, launched: _Launched) -> None:
+        out = await launched.future
+        self.scheduler.process(launched.scheduled, out.next_tokens.tolist())
+
+    def _drain_commands(self) -> bool:
+        while not self._commands.empty():
+            if not self._apply(self._commands.get_nowait()):
+                return False
+        return True
+
+    def _apply(self, command: _Add | _Abort | None) -> bool:
+        if command is None:
+            return False
+        if isinstance(command, _Add):
+            if command.uid in self._channels:  # not aborted while it sat in the queue
+                self.scheduler.add_request(command.uid, command.prompt_ids, command.params)
+        else:
+            self.scheduler.abort(command.uid, notify=command.notify)
+        return True
+
+    def _deliver(self, events: list[Event]) -> None:
+        for event in events:
+            channel = self._channels.get(event.uid)
+            if channel is None:
+                continue
+            channel.put_nowait(event)
+            if event.finished:
+                del self._channels[event.uid]
+
+    async def _fail_all(self, message: str) -> None:
+        """End every request with an error and return the scheduler to a clean state."""
+        # Whatever is still running in the worker must stop touching rows and pages first.
+        await asyncio.get_running_loop().run_in_executor(self._executor, lambda: None)
+        self._deliver(self.scheduler.take_events())
+        self.scheduler.abort_all()
+        for uid in list(self._channels):
+            self._deliver([Event(uid, None, "error", message)])
+
+    def stats(self) -> dict[str, Any]:
+        """Counts for metrics: waiting, running, pages, batches by phase."""
+        sched = self.scheduler
+        total = sched.engine.num_pages
+        return {"waiting": len(sched.waiting), "running": len(sched.running),
+                "kv_pages_total": total,
+                "kv_pages_used": total - sched.cache.allocator.num_free - sched.cache.cached_pages,
+                "batches_prefill": self.batches["prefill"],
+                "batches_decode": self.batches["decode"]}
