@@ -27,7 +27,7 @@ def _install(session: nox.Session, extras: str = "test", cpu_torch: bool = True)
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """The CPU test suite (GPU tests skip themselves)."""
-    _install(session)
+    _install(session, extras="test,bench")
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *PLUGIN_TESTS,
                 *session.posargs)
 

@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="python of a venv with vLLM (bench/setup_vllm_cpu.sh makes one)")
     offline.add_argument("--json", default=None, help="write the results to this file")
     offline.set_defaults(func=_bench_offline)
+
+    from asyncinfer.bench.serve import add_parser as add_bench_serve_parser
+
+    add_bench_serve_parser(bench_sub)
     return parser
 
 

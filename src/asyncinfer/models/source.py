@@ -104,13 +104,19 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     if quantizer is not None:
         # save_pretrained refuses a model that still claims to be GGUF-quantized.
         quantizer.remove_quantization_config(model)
-    # Write to a sibling folder and rename, so an interrupted conversion never looks done.
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
+    # Write to a private sibling folder and rename it into place: an interrupted conversion
+    # never looks done, and of two processes converting at once the first rename wins.
+    staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.", suffix=".partial",
+                                    dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _from_hub(repo_id: str) -> Path:

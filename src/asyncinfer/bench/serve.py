@@ -1,0 +1,417 @@
+"""`asyncinfer bench serve`: load a running OpenAI-compatible server and measure its latency.
+
+Requests of random token ids (EOS ignored, so each yields exactly its output length) arrive
+as a seeded Poisson process (``--rate``) or from closed-loop workers (``--concurrency``).
+TTFT, ITL, TPOT and end-to-end latency are measured client-side from the streamed chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from attrs import define, field, frozen
+
+from asyncinfer.errors import AsyncInferError
+
+if TYPE_CHECKING:
+    import aiohttp
+
+logger = logging.getLogger(__name__)
+
+TOKEN_IDS = (100, 10000)  # as in `bench decode`: clear of special ids, inside real vocabularies
+
+
+@frozen
+class RequestSpec:
+    """One request of the workload: its prompt ids and how many tokens it must produce."""
+
+    prompt: tuple[int, ...]
+    output_len: int
+
+
+@define
+class RequestResult:
+    """What the client saw of one request; ``sent`` from the run's start, the rest from
+    ``sent``, all in seconds."""
+
+    prompt_len: int
+    output_len: int
+    sent: float = 0.0
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Streamed to [DONE] with some text and no error."""
+        return self.error is None and self.e2e is not None
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first; None for a failure or a one-token output."""
+        if not self.ok or self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+class _RequestFailed(Exception):
+    """A request the server refused or broke off: a label to count failures by, and what the
+    server said."""
+
+    def __init__(self, label: str, detail: str = "") -> None:
+        super().__init__(label)
+        self.label, self.detail = label, detail
+
+
+def arrival_schedule(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Send times in seconds from the start: the first at 0, then exponential gaps of mean
+    ``1/rate`` drawn from ``random.Random(seed)``; all at 0 for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(num_requests):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def make_requests(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                  seed: int) -> list[RequestSpec]:
+    """Prompts of random ids with uniform random lengths in the inclusive ranges."""
+    rng = random.Random(f"prompts-{seed}")  # not the schedule's stream: same prompts at any rate
+    specs = []
+    for _ in range(num_requests):
+        prompt = tuple(rng.randrange(*TOKEN_IDS) for _ in range(rng.randint(*input_len)))
+        specs.append(RequestSpec(prompt, rng.randint(*output_len)))
+    return specs
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
+                  headers: dict[str, str], result: RequestResult) -> None:
+    sent = time.perf_counter()
+    last, chunks, usage_tokens = sent, 0, None
+    async with session.post(url, json=payload, headers=headers) as response:
+        if response.status != 200:
+            raise _RequestFailed(f"HTTP {response.status}", (await response.text())[:500])
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, other SSE fields
+            now = time.perf_counter()
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                result.e2e = now - sent
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise _RequestFailed(f"error in stream: {chunk['error'].get('message')}")
+            usage = chunk.get("usage")
+            if usage and usage.get("completion_tokens") is not None:
+                usage_tokens = int(usage["completion_tokens"])
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                if result.ttft is None:
+                    result.ttft = now - sent
+                else:
+                    result.itl.append(now - last)
+                last, chunks = now, chunks + 1
+    if result.e2e is None:
+        raise _RequestFailed("stream ended before [DONE]")
+    if result.ttft is None:
+        raise _RequestFailed("no text in the stream")
+    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+
+
+@frozen
+class _Client:
+    session: aiohttp.ClientSession
+    url: str
+    model: str
+    headers: dict[str, str]
+    timeout: float
+    start: float
+    on_done: Callable[[], object]
+    reported: set[str] = field(factory=set)
+
+    async def send(self, spec: RequestSpec) -> RequestResult:
+        """One streamed completion; every failure is recorded, none is raised."""
+        payload = {"model": self.model, "prompt": list(spec.prompt),
+                   "max_tokens": spec.output_len, "temperature": 0.0, "stream": True,
+                   "stream_options": {"include_usage": True}, "ignore_eos": True}
+        result = RequestResult(len(spec.prompt), spec.output_len,
+                               sent=time.perf_counter() - self.start)
+        try:
+            await asyncio.wait_for(_stream(self.session, self.url, payload, self.headers,
+                                           result), self.timeout)
+        except asyncio.TimeoutError:
+            result.error = f"timeout after {self.timeout:g} s"
+        except _RequestFailed as exc:
+            result.error = exc.label
+            if exc.detail and exc.label not in self.reported:
+                self.reported.add(exc.label)  # the first of each kind: the rest say the same
+                logger.warning("%s: %s", exc.label, exc.detail)
+        except Exception as exc:  # a disconnect or a garbled stream is a data point, not a crash
+            result.error = type(exc).__name__
+        self.on_done()
+        return result
+
+
+async def _open_loop(client: _Client, specs: list[RequestSpec],
+                     schedule: list[float]) -> list[RequestResult]:
+    tasks = []
+    for spec, at in zip(specs, schedule):
+        delay = client.start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(client.send(spec)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def _closed_loop(client: _Client, specs: list[RequestSpec],
+                       concurrency: int) -> list[RequestResult]:
+    results: list[RequestResult | None] = [None] * len(specs)
+    queue = iter(enumerate(specs))  # shared by the workers: each takes the next unsent request
+
+    async def worker() -> None:
+        for i, spec in queue:
+            results[i] = await client.send(spec)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    assert all(r is not None for r in results)
+    return [r for r in results if r is not None]
+
+
+async def _first_model(session: aiohttp.ClientSession, base: str, headers: dict[str, str],
+                       timeout: float) -> str:
+    async def ask() -> str:
+        async with session.get(f"{base}/v1/models", headers=headers) as response:
+            response.raise_for_status()
+            return str((await response.json())["data"][0]["id"])
+
+    try:
+        return await asyncio.wait_for(ask(), timeout)
+    except Exception as exc:
+        raise AsyncInferError(
+            f"could not ask {base}/v1/models for a model name ({type(exc).__name__}: {exc}); "
+            f"is the server running there? Pass --url, or --model to skip the lookup") from exc
+
+
+async def run_load(base: str, model: str | None, specs: list[RequestSpec], *,
+                   schedule: list[float] | None = None, concurrency: int | None = None,
+                   api_key: str | None = None, timeout: float = 600.0,
+                   on_done: Callable[[], object] = lambda: None
+                   ) -> tuple[str, list[RequestResult], float]:
+    """Send ``specs`` on ``schedule`` (open loop) or from ``concurrency`` workers (closed loop);
+    returns the model name, each request's result in order, and the run's duration."""
+    import aiohttp
+
+    assert (schedule is None) != (concurrency is None), "exactly one of schedule, concurrency"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # One connection per request that may be in flight: a smaller pool would queue requests
+    # inside the client, and that wait would be counted as the server's TTFT.
+    connector = aiohttp.TCPConnector(limit=concurrency or len(specs))
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        if model is None:
+            model = await _first_model(session, base, headers, timeout)
+            logger.info("model from %s/v1/models: %s", base, model)
+        client = _Client(session, f"{base}/v1/completions", model, headers, timeout,
+                         time.perf_counter(), on_done)
+        if schedule is not None:
+            results = await _open_loop(client, specs, schedule)
+        else:
+            assert concurrency is not None
+            results = await _closed_loop(client, specs, concurrency)
+        return model, results, time.perf_counter() - client.start
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks, as numpy's default."""
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _stats_ms(seconds: list[float]) -> dict[str, float | None]:
+    if not seconds:
+        return {"mean": None, "p50": None, "p99": None, "max": None}
+    ms = sorted(s * 1000 for s in seconds)
+    return {"mean": sum(ms) / len(ms), "p50": _percentile(ms, 50), "p99": _percentile(ms, 99),
+            "max": ms[-1]}
+
+
+def _meets_slo(r: RequestResult, ttft_ms: float | None, tpot_ms: float | None) -> bool:
+    tpot = r.tpot
+    return (r.ttft is not None and (ttft_ms is None or r.ttft * 1000 <= ttft_ms)
+            and (tpot_ms is None or tpot is None or tpot * 1000 <= tpot_ms))
+
+
+def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float | None = None,
+              slo_tpot_ms: float | None = None) -> dict[str, Any]:
+    """Counts, throughputs, goodput (None without an SLO) and latency statistics in ms."""
+    done = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    has_slo = slo_ttft_ms is not None or slo_tpot_ms is not None
+    good = sum(_meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in done) if has_slo else None
+    return {
+        "completed": len(done), "failed": len(results) - len(done),
+        "errors": dict(Counter(r.error for r in results if r.error is not None)),
+        "duration_s": duration,
+        "total_input_tokens": sum(r.prompt_len for r in done),
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "good_requests": good,
+        "goodput": None if good is None else good / duration,
+        "ttft_ms": _stats_ms([r.ttft for r in done if r.ttft is not None]),
+        "tpot_ms": _stats_ms([t for r in done if (t := r.tpot) is not None]),
+        "itl_ms": _stats_ms([gap for r in done for gap in r.itl]),
+        "e2e_ms": _stats_ms([r.e2e for r in done if r.e2e is not None]),
+    }
+
+
+def _request_row(r: RequestResult) -> dict[str, Any]:
+    def ms(s: float | None) -> float | None:
+        return None if s is None else s * 1000
+
+    return {"sent_s": r.sent, "prompt_len": r.prompt_len, "output_len": r.output_len,
+            "output_tokens": r.output_tokens, "ttft_ms": ms(r.ttft), "tpot_ms": ms(r.tpot),
+            "e2e_ms": ms(r.e2e) if r.ok else None, "error": r.error}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable table of a report."""
+    p = report["params"]
+    load = ("all at once" if p["load"] == "burst" else
+            f"{p['concurrency']} closed-loop workers" if p["load"] == "closed_loop" else
+            f"Poisson arrivals at {p['rate']:g} req/s")
+    lines = [
+        f"{p['model']} at {p['url']}: {p['num_requests']} requests, {load}",
+        f"{'requests':<12}{report['completed']} completed, {report['failed']} failed "
+        f"in {report['duration_s']:.2f} s",
+        f"{'throughput':<12}{report['request_throughput']:.2f} req/s, "
+        f"{report['output_throughput']:.1f} output tok/s",
+    ]
+    if report["goodput"] is not None:
+        slo = " and ".join(f"{name} <= {p[key]:g} ms" for name, key in
+                           (("TTFT", "slo_ttft_ms"), ("TPOT", "slo_tpot_ms")) if p[key] is not None)
+        lines.append(f"{'goodput':<12}{report['goodput']:.2f} req/s "
+                     f"({report['good_requests']} requests with {slo})")
+    lines += [f"{'failed':<12}{count} x {error}" for error, count in report["errors"].items()]
+    lines.append(f"{'(ms)':<12}" + "".join(f"{h:>10}" for h in ("mean", "p50", "p99", "max")))
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        cells = ["-" if v is None else f"{v:.1f}" for v in report[f"{name}_ms"].values()]
+        lines.append(f"{name.upper():<12}" + "".join(f"{c:>10}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`asyncinfer bench serve`: run the load, print the table, write ``--json``; exit status 1
+    when no request completed."""
+    from tqdm import tqdm
+
+    input_len = args.input_len_range or (args.input_len, args.input_len)
+    output_len = args.output_len_range or (args.output_len, args.output_len)
+    specs = make_requests(args.num_requests, input_len, output_len, args.seed)
+    rate = math.inf if args.rate is None and args.concurrency is None else args.rate
+    schedule = None if args.concurrency else arrival_schedule(len(specs), rate, args.seed)
+    base = args.url.rstrip("/")
+    with tqdm(total=len(specs), desc="requests", disable=None) as progress:
+        model, results, duration = asyncio.run(run_load(
+            base, args.model, specs, schedule=schedule, concurrency=args.concurrency,
+            api_key=args.api_key, timeout=args.timeout, on_done=progress.update))
+    load = "closed_loop" if args.concurrency else "burst" if math.isinf(rate) else "poisson"
+    params = {"url": base, "model": model, "policy": args.policy, "load": load,
+              "rate": None if load != "poisson" else rate, "concurrency": args.concurrency,
+              "num_requests": args.num_requests, "input_len": list(input_len),
+              "output_len": list(output_len), "seed": args.seed, "slo_ttft_ms": args.slo_ttft_ms,
+              "slo_tpot_ms": args.slo_tpot_ms, "timeout_s": args.timeout}
+    report = {"benchmark": "serve", "params": params,
+              **summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms),
+              "requests": [_request_row(r) for r in results]}
+    print(format_report(report), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["completed"] else 1
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected requests/s > 0 or 'inf', got {text}")
+    return value
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    try:
+        bounds = int(lo), int(hi)
+    except ValueError:
+        bounds = (0, 0)
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
+    return bounds
+
+
+def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``asyncinfer bench`` subcommands; returns its parser."""
+    parser = bench_subparsers.add_parser(
+        "serve", help="load a running OpenAI-compatible server: TTFT, TPOT, ITL, goodput",
+        description=__doc__)
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    parser.add_argument("--model", default=None,
+                        help="the model name to send (default: the first of GET /v1/models)")
+    parser.add_argument("--api-key", default=os.environ.get("ASYNCINFER_API_KEY"),
+                        help="sent as 'Authorization: Bearer KEY' (default: $ASYNCINFER_API_KEY)")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=_rate, default=None,
+                      help="requests/s as Poisson arrivals; 'inf' sends all at once (default)")
+    load.add_argument("--concurrency", type=_positive_int, default=None,
+                      help="closed loop: this many workers, each sending its next request when "
+                           "its last one ends")
+    parser.add_argument("--num-requests", type=_positive_int, default=64)
+    parser.add_argument("--input-len", type=_positive_int, default=128,
+                        help=f"prompt tokens (random ids in [{TOKEN_IDS[0]}, {TOKEN_IDS[1]}))")
+    parser.add_argument("--output-len", type=_positive_int, default=64,
+                        help="output tokens (EOS is ignored)")
+    parser.add_argument("--input-len-range", type=_length_range, default=None, metavar="LO,HI",
+                        help="uniform random prompt lengths, replacing --input-len")
+    parser.add_argument("--output-len-range", type=_length_range, default=None, metavar="LO,HI",
+                        help="uniform random output lengths, replacing --output-len")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="draws the prompts, the lengths and the arrival times")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None,
+                        help="goodput counts requests with TTFT at most this")
+    parser.add_argument("--slo-tpot-ms", type=float, default=None,
+                        help="goodput counts requests with TPOT at most this")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds one request may take, from sending to its last chunk")
+    parser.add_argument("--policy", default=None,
+                        help="the server's scheduling policy, only recorded in the report "
+                             "(plot_rate_sweep draws one line per policy)")
+    parser.add_argument("--json", default=None, help="write the report to this file")
+    parser.set_defaults(func=main)
+    return parser

@@ -1,0 +1,257 @@
+"""`asyncinfer bench serve` against a fake OpenAI-compatible server on loopback: counts,
+latency statistics, the seeded arrival schedule, goodput, and failures that never crash it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from asyncinfer.bench.serve import add_parser, arrival_schedule, main, make_requests
+from asyncinfer.errors import AsyncInferError
+
+FAST = 0.002  # seconds before each chunk of a normal request
+SLOW = 0.3  # well past the SLOs of the goodput test, even on a loaded machine
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+class FakeServer:
+    """Streams ``max_tokens`` chunks of text, after an empty first chunk (as a chat role
+    chunk), then a usage chunk and [DONE]; ``plan(k)`` picks how the k-th request (from 0)
+    behaves: ok, 500, slow_ttft, slow_tpot, disconnect, error_frame or hang."""
+
+    def __init__(self, plan: Callable[[int], str] = lambda k: "ok", usage: bool = True):
+        self.plan, self.usage = plan, usage
+        self.counter = itertools.count()
+        self.bodies: list[dict[str, Any]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        kind = self.plan(next(self.counter))
+        body = await request.json()
+        self.bodies.append(body)
+        if kind == "500":
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(_sse({"choices": [{"text": ""}], "usage": None}))
+        if kind == "hang":
+            await asyncio.sleep(5)
+        n = body["max_tokens"]
+        for i in range(n):
+            slow = (kind == "slow_ttft" and i == 0) or (kind == "slow_tpot" and i > 0)
+            await asyncio.sleep(SLOW if slow else FAST)
+            if kind == "disconnect" and i == 1:
+                assert request.transport is not None
+                request.transport.close()
+                return response
+            finish = "length" if i == n - 1 else None
+            await response.write(_sse({"choices": [{"text": f"t{i} ", "finish_reason": finish}],
+                                       "usage": None}))
+        if kind == "error_frame":
+            await response.write(_sse({"error": {"message": "engine failed"}}))
+        if self.usage:
+            await response.write(_sse({"choices": [], "usage": {
+                "prompt_tokens": len(body["prompt"]), "completion_tokens": n}}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+@contextmanager
+def serving(server: FakeServer) -> Iterator[str]:
+    """Run the fake on 127.0.0.1, an ephemeral port, in a thread with its own event loop."""
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(server.app(), shutdown_timeout=0.5, handler_cancellation=True)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def bench(server: FakeServer, tmp_path: Path, *options: str) -> tuple[int, dict[str, Any]]:
+    """Run ``main`` against the fake; its exit status and its JSON report."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    out = tmp_path / "report.json"
+    with serving(server) as url:
+        args = parser.parse_args(["serve", "--url", url, "--json", str(out), *options])
+        status = main(args)
+    return status, json.loads(out.read_text())
+
+
+def test_every_request_completes_with_its_exact_lengths(tmp_path: Path) -> None:
+    server = FakeServer()
+    status, report = bench(server, tmp_path, "--concurrency", "3", "--num-requests", "7",
+                           "--input-len", "16", "--output-len", "5")
+    assert status == 0
+    assert (report["completed"], report["failed"]) == (7, 0)
+    assert report["total_input_tokens"] == 7 * 16
+    assert report["total_output_tokens"] == 7 * 5
+    assert report["params"]["model"] == "fake-model"  # asked of /v1/models
+    for body in server.bodies:
+        assert body["model"] == "fake-model"
+        assert len(body["prompt"]) == 16 and all(isinstance(t, int) for t in body["prompt"])
+        assert body["max_tokens"] == 5 and body["ignore_eos"] and body["stream"]
+        assert body["stream_options"] == {"include_usage": True}
+
+
+def test_latencies_are_positive_and_ordered(tmp_path: Path) -> None:
+    _, report = bench(FakeServer(), tmp_path, "--concurrency", "4", "--num-requests", "8",
+                      "--output-len", "6")
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        stats = report[name]
+        assert 0 < stats["p50"] <= stats["p99"] <= stats["max"], name
+        assert 0 < stats["mean"] <= stats["max"], name
+    for row in report["requests"]:
+        assert 0 < row["ttft_ms"] < row["e2e_ms"]
+        assert row["tpot_ms"] == pytest.approx((row["e2e_ms"] - row["ttft_ms"]) / 5)
+
+
+def test_output_tokens_are_counted_from_chunks_without_usage(tmp_path: Path) -> None:
+    _, report = bench(FakeServer(usage=False), tmp_path, "--concurrency", "2",
+                      "--num-requests", "4", "--output-len", "3")
+    assert [row["output_tokens"] for row in report["requests"]] == [3, 3, 3, 3]
+
+
+def test_length_ranges_draw_within_bounds(tmp_path: Path) -> None:
+    server = FakeServer()
+    bench(server, tmp_path, "--concurrency", "4", "--num-requests", "12",
+          "--input-len-range", "4,9", "--output-len-range", "2,4")
+    assert {len(b["prompt"]) for b in server.bodies} <= set(range(4, 10))
+    assert {b["max_tokens"] for b in server.bodies} <= {2, 3, 4}
+
+
+def test_arrival_schedule_is_reproducible_from_its_seed() -> None:
+    schedule = arrival_schedule(1000, 4.0, seed=7)
+    assert schedule == arrival_schedule(1000, 4.0, seed=7)
+    assert schedule != arrival_schedule(1000, 4.0, seed=8)
+    assert schedule[0] == 0.0 and schedule == sorted(schedule)
+    assert schedule[-1] / 999 == pytest.approx(1 / 4.0, rel=0.1)  # mean gap of a 4/s process
+
+
+def test_the_workload_is_reproducible_from_its_seed() -> None:
+    draw = make_requests(20, (4, 64), (1, 32), seed=5)
+    assert draw == make_requests(20, (4, 64), (1, 32), seed=5)
+    assert draw != make_requests(20, (4, 64), (1, 32), seed=6)
+    assert all(4 <= len(r.prompt) <= 64 and 1 <= r.output_len <= 32 for r in draw)
+
+
+def test_an_infinite_rate_sends_everything_at_once() -> None:
+    assert arrival_schedule(5, float("inf"), seed=0) == [0.0] * 5
+
+
+def test_open_loop_sends_on_the_schedule(tmp_path: Path) -> None:
+    status, report = bench(FakeServer(), tmp_path, "--rate", "40", "--seed", "3",
+                           "--num-requests", "6", "--output-len", "2")
+    assert status == 0 and report["params"]["load"] == "poisson"
+    expected = arrival_schedule(6, 40.0, seed=3)
+    sent = [row["sent_s"] for row in report["requests"]]
+    assert all(s >= e - 1e-3 for s, e in zip(sent, expected))
+    assert all(s - e < 0.1 for s, e in zip(sent, expected))
+
+
+def test_goodput_counts_only_requests_within_both_slos(tmp_path: Path) -> None:
+    plan = ("slow_ttft", "slow_tpot", "ok")
+    status, report = bench(FakeServer(lambda k: plan[k % 3]), tmp_path, "--concurrency", "6",
+                           "--num-requests", "6", "--output-len", "3",
+                           "--slo-ttft-ms", "150", "--slo-tpot-ms", "150")
+    assert status == 0 and report["completed"] == 6
+    assert report["good_requests"] == 2
+    assert report["goodput"] == pytest.approx(2 / report["duration_s"])
+
+
+def test_goodput_is_absent_without_an_slo(tmp_path: Path) -> None:
+    _, report = bench(FakeServer(), tmp_path, "--num-requests", "2", "--output-len", "2")
+    assert report["goodput"] is None and report["good_requests"] is None
+
+
+def test_http_errors_are_counted_as_failures(tmp_path: Path) -> None:
+    status, report = bench(FakeServer(lambda k: "500" if k % 3 == 0 else "ok"), tmp_path,
+                           "--concurrency", "3", "--num-requests", "9", "--output-len", "2")
+    assert status == 0
+    assert (report["completed"], report["failed"]) == (6, 3)
+    assert report["errors"] == {"HTTP 500": 3}
+    assert report["total_output_tokens"] == 6 * 2
+
+
+def test_the_servers_error_message_is_logged_once_per_status(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="asyncinfer.bench.serve"):
+        bench(FakeServer(lambda k: "500"), tmp_path, "--concurrency", "2", "--num-requests", "4")
+    [record] = caplog.records
+    assert "HTTP 500" in record.getMessage() and "boom" in record.getMessage()
+
+
+def test_broken_streams_and_timeouts_are_counted_as_failures(tmp_path: Path) -> None:
+    plan = ("disconnect", "error_frame", "hang", "ok")
+    status, report = bench(FakeServer(lambda k: plan[k]), tmp_path, "--concurrency", "4",
+                           "--num-requests", "4", "--output-len", "3", "--timeout", "1")
+    assert status == 0
+    assert (report["completed"], report["failed"]) == (1, 3)
+    assert "error in stream: engine failed" in report["errors"]
+    assert "timeout after 1 s" in report["errors"]
+
+
+def test_a_run_where_nothing_completes_exits_1(tmp_path: Path) -> None:
+    status, report = bench(FakeServer(lambda k: "500"), tmp_path, "--num-requests", "3")
+    assert status == 1 and report["failed"] == 3
+    assert report["ttft_ms"]["p50"] is None
+
+
+def test_an_unreachable_server_is_an_error_naming_the_url() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--url", f"http://127.0.0.1:{port}", "--timeout", "5"])
+    with pytest.raises(AsyncInferError, match=f"127.0.0.1:{port}/v1/models"):
+        main(args)
+
+
+def test_plot_rate_sweep_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from asyncinfer.bench.plot import plot_rate_sweep
+
+    def report(policy: str, rate: float, scale: float) -> dict[str, Any]:
+        stats = {"p50": 10 * rate * scale, "p99": 30 * rate * scale}
+        return {"params": {"policy": policy, "rate": rate, "load": "poisson"},
+                "ttft_ms": stats, "tpot_ms": {k: v / 10 for k, v in stats.items()}}
+
+    results = [report(p, r, s) for p, s in (("prefill_first", 1.0), ("decode_first", 1.5))
+               for r in (1.0, 2.0, 4.0)]
+    results.append({"params": {"policy": "x", "rate": None, "load": "burst"}})
+    path = plot_rate_sweep(results, tmp_path / "sweep.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
