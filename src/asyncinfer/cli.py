@@ -1,4 +1,4 @@
-"""The `asyncinfer` command: generate | models | bench."""
+"""The `asyncinfer` command: serve | generate | models | policies | bench."""
 
 from __future__ import annotations
 
@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    from asyncinfer.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
 
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
     gen.add_argument("prompt")

@@ -1,0 +1,105 @@
+"""The one mapping from an exception to an HTTP error response, in OpenAI's error shape.
+
+Every error body is ``{"error": {"message", "type", "param", "code"}}``, whatever raised it:
+our own ``AsyncInferError`` (through its ``http_status``), aiohttp's routing errors (404, 405,
+413) or an unexpected exception (500, logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from asyncinfer.errors import AsyncInferError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {401: "authentication_error", 404: "not_found_error"}
+
+
+class APIError(AsyncInferError):
+    """An HTTP-level error the server raises itself: a status, and the request field at fault."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.http_status = status
+        self.param = param
+        self.code = code
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 naming the request field at fault."""
+    return APIError(400, message, param=param, code=code)
+
+
+def error_type(status: int) -> str:
+    """OpenAI's ``type`` for a status: ``invalid_request_error`` for 4xx, ``server_error`` else."""
+    if status in _TYPES:
+        return _TYPES[status]
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The JSON body of an error response."""
+    return {"error": {"message": message, "type": error_type(status), "param": param,
+                      "code": code}}
+
+
+def http_status(exc: BaseException) -> int:
+    """The status ``exc`` is answered with."""
+    if isinstance(exc, AsyncInferError):
+        return int(exc.http_status)
+    if isinstance(exc, web.HTTPException):
+        return exc.status
+    return 500
+
+
+def error_payload(exc: BaseException, request: web.Request | None = None
+                  ) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Status, body and extra headers for ``exc``; anything not raised on purpose is logged."""
+    status = http_status(exc)
+    headers: dict[str, str] = {}
+    if isinstance(exc, AsyncInferError):
+        body = error_body(status, str(exc), getattr(exc, "param", None),
+                          getattr(exc, "code", None))
+        if status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        if status >= 500:
+            logger.error("%s: %s", type(exc).__name__, exc)
+    elif isinstance(exc, web.HTTPException):
+        where = f" ({request.method} {request.path})" if request is not None else ""
+        body = error_body(status, f"{exc.reason}{where}")
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+    else:
+        where = f"{request.method} {request.path}" if request is not None else "a request"
+        logger.exception("unexpected error while handling %s", where)
+        body = error_body(status, f"internal server error ({type(exc).__name__}); "
+                                  "see the server log")
+    return status, body, headers
+
+
+def error_response(exc: BaseException, request: web.Request | None = None) -> web.Response:
+    """The JSON response for ``exc``."""
+    status, body, headers = error_payload(exc, request)
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+    """Answer every error a handler raises through :func:`error_response`."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise  # a redirect is not an error
+        return error_response(exc, request)
+    except Exception as exc:
+        return error_response(exc, request)

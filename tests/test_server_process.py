@@ -1,0 +1,113 @@
+"""A real `asyncinfer serve` process on a loopback port, driven by aiohttp and by the official
+openai client: text and chat completions, streamed and not, equal LLM.generate's outputs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asyncinfer.api import LLM
+from asyncinfer.params import SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CHAT = "What is the capital of France?"
+MAX_TOKENS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path) -> Iterator[str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port),
+           "--dtype", "float32", "--max-running-requests", "4"]
+    proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import urllib.request
+
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2_dir: Path) -> dict[str, str]:
+    llm = LLM(None, dtype="float32", max_running_requests=4)
+    assert llm.tokenizer is not None
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    chat_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": CHAT}])
+    [chat] = llm.generate([chat_ids], greedy, use_tqdm=False)
+    llm.close()
+    return {**{p: o.text for p, o in zip(PROMPTS, outputs)}, CHAT: chat.text}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_openai_client_matches_llm_generate(server: str, expected: dict[str, str],
+                                            stream: bool) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    for prompt in PROMPTS:
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(
+                model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=MAX_TOKENS,
+                temperature=0.0, stream=True) if c.choices)
+        else:
+            text = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
+                                             max_tokens=MAX_TOKENS, temperature=0.0
+                                             ).choices[0].text
+        assert text == expected[prompt]
+    messages = [{"role": "user", "content": CHAT}]
+    if stream:
+        chat = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_TOKENS,
+            temperature=0.0, stream=True) if c.choices)
+    else:
+        chat = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_TOKENS,
+            temperature=0.0).choices[0].message.content or ""
+    assert chat == expected[CHAT]
+
+
+async def test_aiohttp_client_matches_llm_generate(server: str,
+                                                   expected: dict[str, str]) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        for prompt in PROMPTS:
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+            async with session.post(f"{server}/v1/completions", json=body) as response:
+                assert response.status == 200
+                data = await response.json()
+            assert data["choices"][0]["text"] == expected[prompt]
+            assert data["usage"]["completion_tokens"] <= MAX_TOKENS
+        async with session.post(f"{server}/v1/completions",
+                                json={"prompt": "x " * 9000, "max_tokens": 4}) as response:
+            assert response.status == 400
+            assert "error" in await response.json()
