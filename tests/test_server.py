@@ -540,3 +540,5 @@ async def test_real_engine_frees_a_request_whose_client_went_away(smollm2_dir: A
                 0, 0), timeout=30)
             metrics = (await (await client.get("/metrics")).text())
             assert 'asyncinfer_requests_total{outcome="cancelled"} 1.0' in metrics
+            assert "\nasyncinfer_requests_running 0.0" in metrics
+            assert "\nasyncinfer_kv_pages_used 0.0" in metrics
