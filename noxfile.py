@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import nox
 
@@ -63,6 +65,21 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(name="gpu-tests", python=False)
 def gpu_tests(session: nox.Session) -> None:
-    """On the device machine, in its own environment: the tests marked gpu."""
-    session.run("python", "-m", "pip", "install", "--no-deps", "-e", ".", external=True)
-    session.run("python", "-m", "pytest", "-q", "-m", "gpu", *session.posargs, external=True)
+    """On the device machine, in its own Python (tests/gpu/device_run.sh sets it up): the
+    tests marked gpu, then the HTTP tests against an engine on CUDA (bf16, flashinfer) with
+    a random model carrying the tokenizer in $ASYNCINFER_TOKENIZER_DIR."""
+    python = sys.executable
+    session.run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests",
+                *session.posargs, external=True)
+    tokenizer = os.environ.get("ASYNCINFER_TOKENIZER_DIR")
+    if not tokenizer:
+        session.warn("ASYNCINFER_TOKENIZER_DIR is unset: the HTTP tests on CUDA did not run")
+        return
+    model = Path(session.create_tmp()) / "chat-model"
+    session.run(python, "-c", "import sys; from pathlib import Path; "
+                "from tests.gpu.conftest import make_chat_model; "
+                "make_chat_model(Path(sys.argv[1]), Path(sys.argv[2]))",
+                str(model), tokenizer, external=True)
+    session.run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_server.py",
+                "tests/test_server_process.py", external=True,
+                env={"ASYNCINFER_TEST_DEVICE": "cuda", "ASYNCINFER_TEST_MODEL": str(model)})

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +16,23 @@ def smollm2_dir() -> Path:
     from asyncinfer.models.source import embedded_model_dir
 
     return embedded_model_dir()
+
+
+def engine_under_test() -> tuple[str | None, dict[str, Any]]:
+    """Model and options of the end-to-end HTTP tests: the embedded SmolLM2 in float32 on the
+    CPU, unless ASYNCINFER_TEST_DEVICE (cuda: bfloat16, flashinfer) and ASYNCINFER_TEST_MODEL
+    (a local model directory) say otherwise; the GPU run uses both (see DEVELOPERS.md)."""
+    device = os.environ.get("ASYNCINFER_TEST_DEVICE", "cpu")
+    model = os.environ.get("ASYNCINFER_TEST_MODEL") or None
+    return model, {"device": device, "dtype": "float32" if device == "cpu" else "bfloat16"}
+
+
+@pytest.fixture(scope="session")
+def served_model() -> Path:
+    """The model directory behind the end-to-end HTTP tests (fetched if it is the embedded)."""
+    from asyncinfer.models.source import resolve_model
+
+    return resolve_model(engine_under_test()[0])
 
 
 def _save_tiny(config, path: Path) -> Path:  # type: ignore[no-untyped-def]

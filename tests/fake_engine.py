@@ -40,6 +40,9 @@ class FakeEngine:
         self.kv: dict[int, int] = {}
         self.batches: list[Batch] = []
 
+    def write_prompt(self, row: int, token_ids: Sequence[int]) -> None:
+        self.token_pool[row, : len(token_ids)] = torch.tensor(list(token_ids))
+
     def forward(self, batch: Batch) -> ForwardOutput:
         self.batches.append(batch)
         table, pool = self.page_table.tolist(), self.token_pool.tolist()

@@ -18,13 +18,15 @@ def load_hf(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Mod
 @torch.inference_mode()
 def hf_greedy(model: torch.nn.Module, prompt: Sequence[int], new_tokens: int) -> list[int]:
     """Greedy continuation of one unpadded prompt, EOS ignored, with transformers' KV cache."""
-    ids = torch.tensor([list(prompt)])
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt)], device=device)
     out = model(ids, use_cache=True)
     tokens: list[int] = []
     for _ in range(new_tokens):
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(torch.tensor([[token]], device=device),
+                    past_key_values=out.past_key_values, use_cache=True)
     return tokens
 
 

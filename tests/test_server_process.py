@@ -15,10 +15,12 @@ import pytest
 
 from asyncinfer.api import LLM
 from asyncinfer.params import SamplingParams
+from tests.conftest import engine_under_test
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = "What is the capital of France?"
 MAX_TOKENS = 12
+NAME = "SmolLM2-135M-Instruct"
 
 
 def _free_port() -> int:
@@ -28,10 +30,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir: Path) -> Iterator[str]:
+def server(served_model: Path) -> Iterator[str]:
     port = _free_port()
+    _, target = engine_under_test()
     cmd = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port),
-           "--dtype", "float32", "--max-running-requests", "4"]
+           "--model", str(served_model), "--served-model-name", NAME,
+           "--device", target["device"], "--dtype", target["dtype"],
+           "--max-running-requests", "4", "--kv-cache-gb", "0.5"]
     proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -57,11 +62,13 @@ def server(smollm2_dir: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def expected(smollm2_dir: Path) -> dict[str, str]:
-    llm = LLM(None, dtype="float32", max_running_requests=4)
+def expected(served_model: Path) -> dict[str, str]:
+    _, target = engine_under_test()
+    llm = LLM(str(served_model), max_running_requests=4, kv_cache_gb=0.5, **target)
     assert llm.tokenizer is not None
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    # One prompt at a time, as the clients below send them.
+    outputs = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS]
     chat_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": CHAT}])
     [chat] = llm.generate([chat_ids], greedy, use_tqdm=False)
     llm.close()
@@ -76,21 +83,21 @@ def test_openai_client_matches_llm_generate(server: str, expected: dict[str, str
     for prompt in PROMPTS:
         if stream:
             text = "".join(c.choices[0].text for c in client.completions.create(
-                model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=MAX_TOKENS,
+                model=NAME, prompt=prompt, max_tokens=MAX_TOKENS,
                 temperature=0.0, stream=True) if c.choices)
         else:
-            text = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
+            text = client.completions.create(model=NAME, prompt=prompt,
                                              max_tokens=MAX_TOKENS, temperature=0.0
                                              ).choices[0].text
         assert text == expected[prompt]
     messages = [{"role": "user", "content": CHAT}]
     if stream:
         chat = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_TOKENS,
+            model=NAME, messages=messages, max_tokens=MAX_TOKENS,
             temperature=0.0, stream=True) if c.choices)
     else:
         chat = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_TOKENS,
+            model=NAME, messages=messages, max_tokens=MAX_TOKENS,
             temperature=0.0).choices[0].message.content or ""
     assert chat == expected[CHAT]
 

@@ -14,6 +14,7 @@ from attrs import field, frozen
 
 from asyncinfer.config import EngineConfig
 from asyncinfer.coordinator import Coordinator
+from asyncinfer.engine import create_runner
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.models.source import resolve_model
@@ -93,7 +94,7 @@ class AsyncEngine:
         self.policy = load_policy(policy, policy_options)
         # Without a tokenizer prompts must be token ids and outputs carry no text.
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(model_dir)
-        self.runner = ModelRunner(self.config, model_dir)
+        self.runner = create_runner(self.config, model_dir)
         self.context_len = self.runner.context_len
         eos = (self.tokenizer.eos_token_ids if self.tokenizer is not None
                else _config_eos_ids(self.runner.model_config.hf_config))
@@ -105,7 +106,8 @@ class AsyncEngine:
     async def start(self) -> None:
         """Start the coordinator on the running event loop."""
         if self._coordinator is None:
-            self._coordinator = Coordinator(self.scheduler, self.runner.forward, self.overlap)
+            self._coordinator = Coordinator(self.scheduler, self.runner.launch, self.overlap,
+                                            self.runner.synchronize)
             self._coordinator.start()
 
     async def close(self) -> None:

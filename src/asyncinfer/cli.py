@@ -111,7 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(offline)
     offline.add_argument("--workload", choices=["cpu", "gpu"], default="cpu")
     offline.add_argument("--policy", default="prefill_first")
-    offline.add_argument("--max-running-requests", type=int, default=64)
+    offline.add_argument("--max-running-requests", type=int, default=None,
+                         help="default: 64 on the cpu workload, 256 on the gpu one")
+    offline.add_argument("--max-extend-tokens", type=int, default=None,
+                         help="prefill tokens per round (default: the engine's; 16384 on gpu)")
+    offline.add_argument("--shape", choices=["qwen3-0.6b"], default=None,
+                         help="gpu workload: a model of this shape with dummy weights")
+    offline.add_argument("--temperature", type=float, default=None,
+                         help="default: 0 (greedy) on cpu, 0.6 on gpu as nano-vllm's bench")
+    offline.add_argument("--profile", action="store_true",
+                         help="gpu: also profile one decode step (attention, matmul, ...)")
+    offline.add_argument("--peer-budget", type=float, default=400.0,
+                         help="gpu: seconds the transformers peer may run")
     offline.add_argument("--page-size", type=int, default=16)
     offline.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     offline.add_argument("--peers", default="transformers,vllm",
@@ -133,7 +144,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "(default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
+    parser.add_argument("--kv-cache-gb", type=float, default=None,
+                        help="KV cache size (default: 2 GiB on CPU, from free memory on CUDA)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

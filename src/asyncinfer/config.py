@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -90,6 +91,14 @@ class EngineConfig:
     """How to run a model: device, dtype, KV cache geometry and limits.
 
     ``kv_cache_gb`` sizes the page pool from a memory budget; ``num_pages`` overrides it.
+    Unset on a GPU, the pool takes what ``gpu_memory_utilization`` (the fraction of the
+    device's memory the engine may hold in all) leaves after weights and activations; on a
+    CPU it defaults to 2 GiB.
+    ``attention_backend`` is "flashinfer" (CUDA only), "torch" (SDPA, the reference) or
+    "auto": flashinfer on CUDA when it is installed (and the dtype is not float32, which
+    flashinfer has no kernels for), else torch. ``cuda_graph`` captures
+    decode at a ladder of batch sizes up to ``cuda_graph_max_bs`` (default: the running
+    limit) with the flashinfer backend; larger batches run eagerly.
     ``max_seq_len`` defaults to the model's context, capped at 8192 tokens.
     ``max_extend_tokens`` is the prefill token budget of one round; with ``chunked_prefill``
     a longer prompt is split across rounds, without it such a prompt is refused.
@@ -105,19 +114,29 @@ class EngineConfig:
     page_size: int = field(default=16, validator=_positive)
     max_running_requests: int = field(default=64, validator=_positive)
     max_seq_len: int | None = field(default=None, validator=_positive)
-    kv_cache_gb: float = 2.0
+    kv_cache_gb: float | None = None
     num_pages: int | None = field(default=None, validator=_positive)
     seed: int = 0
     cache_type: Literal["radix", "naive"] = "radix"
     cpu_fp32_compute: Literal["auto", "on", "off"] = "auto"
     max_extend_tokens: int = field(default=4096, validator=_positive)
     chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int | None = field(default=None, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ConfigError("attention_backend must be auto, torch or flashinfer, got "
+                              f"{self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.kv_cache_gb <= 0:
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.cpu_fp32_compute not in ("auto", "on", "off"):
             raise ConfigError(
@@ -140,6 +159,21 @@ class EngineConfig:
         if self.cpu_fp32_compute != "auto":
             return self.cpu_fp32_compute == "on"
         return not _cpu_has_native(self.torch_dtype)
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether the engine runs on a CUDA device."""
+        return self.device.startswith("cuda")
+
+    @property
+    def resolved_attention_backend(self) -> Literal["torch", "flashinfer"]:
+        """The backend "auto" stands for here: flashinfer on CUDA when importable."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        if (self.is_cuda and self.torch_dtype != torch.float32
+                and importlib.util.find_spec("flashinfer") is not None):
+            return "flashinfer"
+        return "torch"
 
     def context_len(self, model: ModelConfig) -> int:
         """The longest sequence (prompt + output) a request may reach."""

@@ -1,8 +1,10 @@
 """The asyncio coordinator: one task that feeds the scheduler and never blocks the loop.
 
 It awaits its inbound command queue only when there is nothing to run, asks the scheduler for
-a batch, runs the forward in a worker thread (the loop keeps serving while the model
-computes), and delivers each request's events to its channel. With ``overlap`` batch N+1 is
+a batch, launches it, and awaits its completion in a worker thread (the loop keeps serving
+while the model computes): on a CPU the whole forward runs in that thread; on CUDA the launch
+enqueues the forward on the engine stream and records an event, and the thread only waits for
+that event. It then delivers each request's events to its channel. With ``overlap`` batch N+1 is
 scheduled and launched before the results of batch N are processed: inputs come from the
 token pool, so scheduling never needs the token values of the batch in flight.
 """
@@ -48,15 +50,17 @@ class _Launched:
 class Coordinator:
     """Owns the scheduler's loop; frontends talk to it only through ``add`` and ``abort``."""
 
-    def __init__(self, scheduler: Scheduler, forward: Callable[[Batch], ForwardOutput],
-                 overlap: bool = True) -> None:
+    def __init__(self, scheduler: Scheduler,
+                 launch: Callable[[Batch], Callable[[], ForwardOutput]],
+                 overlap: bool = True, synchronize: Callable[[], None] | None = None) -> None:
         self.scheduler = scheduler
-        self.forward = forward
+        self.launch = launch
+        self.synchronize = synchronize or (lambda: None)
         self.overlap = overlap
         self.batches = {"prefill": 0, "decode": 0}
         self._commands: asyncio.Queue[_Add | _Abort | None] = asyncio.Queue()
         self._channels: dict[int, asyncio.Queue[Event]] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-fwd")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-wait")
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()            # set while the loop waits with nothing to do
 
@@ -135,8 +139,8 @@ class Coordinator:
     def _launch(self, scheduled: ScheduledBatch) -> _Launched:
         self.batches[scheduled.phase] += 1
         loop = asyncio.get_running_loop()
-        return _Launched(scheduled, loop.run_in_executor(self._executor, self.forward,
-                                                         scheduled.batch))
+        wait = self.launch(scheduled.batch)
+        return _Launched(scheduled, loop.run_in_executor(self._executor, wait))
 
     async def _finish(self, launched: _Launched) -> None:
         out = await launched.future
@@ -170,7 +174,7 @@ class Coordinator:
     async def _fail_all(self, message: str) -> None:
         """End every request with an error and return the scheduler to a clean state."""
         # Whatever is still running in the worker must stop touching rows and pages first.
-        await asyncio.get_running_loop().run_in_executor(self._executor, lambda: None)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.synchronize)
         self._deliver(self.scheduler.take_events())
         self.scheduler.abort_all()
         for uid in list(self._channels):

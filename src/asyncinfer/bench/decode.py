@@ -12,12 +12,13 @@ import json
 import platform
 import random
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from asyncinfer.bench.util import git_commit
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -72,17 +73,8 @@ def run(model: str | None, device: str, dtype: str, batch_sizes: list[int], prom
         "benchmark": "decode", "model": model_dir.name, "device": device, "dtype": dtype,
         "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
         "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__, "commit": _commit(), "results": rows,
+        "torch": torch.__version__, "commit": git_commit(), "results": rows,
     }
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=False, cwd=Path(__file__).parent)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main(args: argparse.Namespace) -> int:

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from asyncinfer.bench.decode import _commit
-from asyncinfer.bench.workloads import cpu_offline, gpu_offline
+from asyncinfer.bench.util import git_commit
+from asyncinfer.bench.workloads import cpu_offline
 
 
 def run_asyncinfer(model: str | None, prompts: list[list[int]], max_tokens: list[int],
@@ -82,12 +82,19 @@ def main(args: argparse.Namespace) -> int:
     from asyncinfer.config import parse_dtype
     from asyncinfer.models.source import resolve_model
 
-    prompts, max_tokens = cpu_offline() if args.workload == "cpu" else gpu_offline()
+    if args.workload == "gpu":
+        from asyncinfer.bench.gpu_offline import main as gpu_main
+
+        return gpu_main(args)
+    prompts, max_tokens = cpu_offline()
     model_dir = resolve_model(args.model)
     options: dict[str, Any] = {
         "device": args.device, "dtype": args.dtype, "policy": args.policy,
-        "max_running_requests": args.max_running_requests, "load_format": args.load_format,
+        "max_running_requests": args.max_running_requests or 64,
+        "load_format": args.load_format,
         "page_size": args.page_size, "max_seq_len": 2048}
+    if args.max_extend_tokens:
+        options["max_extend_tokens"] = args.max_extend_tokens
     results = [run_asyncinfer(str(model_dir), prompts, max_tokens, options)]
     print(json.dumps(results[-1]), flush=True)
     if "transformers" in args.peers:
@@ -100,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     report = {"benchmark": f"offline-{args.workload}", "model": model_dir.name,
               "dtype": args.dtype, "device": args.device, "requests": len(prompts),
               "output_tokens": sum(max_tokens), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "commit": _commit(), "results": results}
+              "torch": torch.__version__, "commit": git_commit(), "results": results}
     ours = results[0]["tokens_per_s"]
     for r in results:
         print(f"{r['engine']:<45} {r['tokens']:>7} tok  {r['seconds']:>8.1f} s  "

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from attrs import frozen
@@ -13,6 +16,7 @@ from asyncinfer.attention.torch_backend import TorchBackend
 from asyncinfer.config import EngineConfig, ModelConfig
 from asyncinfer.engine.batch import Batch
 from asyncinfer.engine.sampler import Sampler
+from asyncinfer.errors import ConfigError
 from asyncinfer.kvcache.pool import KVPool
 from asyncinfer.layers.rotary import RotaryEmbedding
 from asyncinfer.models import build_model
@@ -46,23 +50,37 @@ class ModelRunner:
         self.model = self._load_model(model_dir)
         # With float32 kernels the cache holds half-precision values in float32 (exactly).
         self.kv_dtype = torch.float32 if config.fp32_kernels else self.dtype
-        self.num_pages = config.num_pages or self._pages_from_budget()
         cfg, page = self.model_config, config.page_size
-        self.pool = KVPool(cfg.num_layers, self.num_pages, page, cfg.num_kv_heads,
-                           cfg.head_dim, self.kv_dtype, self.device)
         self.page_size = page
+        self.num_pages = config.num_pages or self._pages_from_budget()
+        self.pool = KVPool(cfg.num_layers, self.num_pages + self.extra_pages, page,
+                           cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         self.max_rows = config.max_running_requests
         # Whole pages per row, plus one column so a sampled token always has a place.
-        width = -(-self.context_len // page) * page + 1
-        self.page_table = torch.zeros(self.max_rows, width, dtype=torch.int64, device=self.device)
-        self.token_pool = torch.zeros(self.max_rows, width, dtype=torch.int64, device=self.device)
-        self.backend = TorchBackend(self.pool, self.page_table, cfg.head_dim**-0.5)
+        self.width = -(-self.context_len // page) * page + 1
+        self.page_table = torch.zeros(self.max_rows, self.width, dtype=torch.int64,
+                                      device=self.table_device)
+        # One row more than requests: tokens nobody reads (a mid-prompt chunk's) land there.
+        self.token_pool = torch.zeros(self.max_rows + 1, self.width, dtype=torch.int64,
+                                      device=self.device)
+        self.backend = self._make_backend()
         self.sampler = Sampler(config.seed)
         logger.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB)%s", self.num_pages,
                     page, self.num_pages * page,
                     self.num_pages * page * cfg.kv_bytes_per_token(self.kv_dtype) / 2**30,
                     "; float32 kernels for half-precision values" if config.fp32_kernels
                     else "")
+
+    # Hooks a subclass for another attention backend overrides.
+    extra_pages = 0                                   # pages beyond those the scheduler owns
+
+    @property
+    def table_device(self) -> torch.device:
+        """Where the page table lives (the torch backend indexes it on the model's device)."""
+        return self.device
+
+    def _make_backend(self) -> Any:
+        return TorchBackend(self.pool, self.page_table, self.model_config.head_dim**-0.5)
 
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
         cfg = self.model_config
@@ -81,24 +99,83 @@ class ModelRunner:
         return model
 
     def _pages_from_budget(self) -> int:
-        per_page = self.model_config.kv_bytes_per_token(self.kv_dtype) * self.config.page_size
-        return max(1, int(self.config.kv_cache_gb * 2**30) // per_page)
+        per_page = self.model_config.kv_bytes_per_token(self.kv_dtype) * self.page_size
+        if self.config.kv_cache_gb is not None:
+            budget = int(self.config.kv_cache_gb * 2**30)
+        elif self.device.type == "cuda":
+            budget = cuda_kv_budget(self.device, self.config.gpu_memory_utilization)
+        else:
+            budget = 2 * 2**30
+        return max(1, budget // per_page - self.extra_pages)
+
+    def write_prompt(self, row: int, token_ids: Sequence[int]) -> None:
+        """Put a newly admitted request's prompt into its token-pool row."""
+        self.token_pool[row, : len(token_ids)] = torch.tensor(list(token_ids)).to(self.device)
+
+    def launch(self, batch: Batch) -> Callable[[], ForwardOutput]:
+        """Start a batch; calling the result waits for it and returns its tokens.
+
+        Here the whole forward runs inside the returned call (the coordinator makes it in a
+        worker thread); the CUDA runner enqueues the work at once and only waits there.
+        """
+        return partial(self.forward, batch)
+
+    def synchronize(self) -> None:
+        """Wait until nothing launched is still running on the device."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> ForwardOutput:
         """Compute the batch's new tokens, sample one token per request, write it back."""
-        lens = batch.extend_lens
-        rows = torch.tensor(batch.rows, dtype=torch.int64)
-        row_index = rows.repeat_interleave(torch.tensor(lens)).to(self.device)
-        positions = torch.cat([torch.arange(s, e) for s, e in zip(batch.starts, batch.ends)])
-        positions = positions.to(self.device)
-        input_ids = self.token_pool[row_index, positions]
-        attn = AttentionContext(self.backend, self.backend.prepare(batch, row_index, positions))
+        host = host_inputs(batch, self.width, self.max_rows)
+        index = host.input_index.to(self.device)
+        positions = host.positions.to(self.device)
+        input_ids = self.token_pool.view(-1)[index]
+        attn = AttentionContext(self.backend,
+                                self.backend.prepare(batch, index // self.width, positions))
         hidden = self.model(input_ids, positions, attn)
-        last = torch.tensor(lens).cumsum(0).sub_(1).to(self.device)
-        logits = self.model.compute_logits(hidden[last])
+        logits = self.model.compute_logits(hidden[host.last_index.to(self.device)])
         next_tokens = self.sampler.sample(logits, batch.params, batch.steps)
-        keep = torch.tensor(batch.sample, device=self.device)
-        ends = torch.tensor(batch.ends, device=self.device)
-        self.token_pool[rows.to(self.device)[keep], ends[keep]] = next_tokens[keep]
+        self.token_pool.view(-1)[host.write_index.to(self.device)] = next_tokens
         return ForwardOutput(next_tokens.cpu(), logits)
+
+
+@frozen
+class HostInputs:
+    """Per-token and per-request indices of one batch, built on the host (int64)."""
+
+    input_index: torch.Tensor   # [T] flat token-pool index of each computed token
+    positions: torch.Tensor     # [T] its position in its sequence
+    last_index: torch.Tensor    # [B] each request's last computed token, in T
+    write_index: torch.Tensor   # [B] flat token-pool index of the sampled token
+
+
+def host_inputs(batch: Batch, width: int, scratch_row: int) -> HostInputs:
+    """Vectorised over the batch: a few tensor ops instead of a loop per request.
+
+    A request that samples nothing this round (a mid-prompt chunk) writes to ``scratch_row``.
+    """
+    lens = torch.tensor(batch.extend_lens)
+    starts, rows = torch.tensor(batch.starts), torch.tensor(batch.rows)
+    offsets = lens.cumsum(0) - lens
+    owner = torch.repeat_interleave(torch.arange(batch.size), lens)
+    positions = torch.arange(int(lens.sum())) - offsets[owner] + starts[owner]
+    ends = torch.tensor(batch.ends)
+    write = torch.where(torch.tensor(batch.sample), rows * width + ends,
+                        torch.full_like(rows, scratch_row * width))
+    return HostInputs(rows[owner] * width + positions, positions, offsets + lens - 1, write)
+
+
+def cuda_kv_budget(device: torch.device, utilization: float) -> int:
+    """Bytes the KV pool may take: the share of the device the engine may hold, less what is
+    in use now (weights, other processes) and a reserve for activations, graphs, workspace."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = max(2 * 2**30, int(0.05 * total))
+    budget = int(total * utilization) - (total - free) - reserve
+    if budget <= 0:
+        raise ConfigError(
+            f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+            f"{total / 2**30:.1f} GiB at gpu_memory_utilization={utilization}; raise it or "
+            "set kv_cache_gb")
+    return budget

@@ -64,6 +64,20 @@ def apply_min_p(probs: Tensor, min_p: Tensor) -> Tensor:
     return _renormalize(probs, wide >= threshold, off)
 
 
+def device_tensor(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
+                  device: torch.device) -> Tensor:
+    """A small host list on ``device`` without blocking the host.
+
+    On CUDA the list goes through pinned memory with a non-blocking copy, ordered on the
+    current stream; a plain ``torch.tensor(..., device="cuda")`` would wait for every kernel
+    queued before it, which breaks the overlap of scheduling and compute.
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _mix64(x: int) -> int:
     """One splitmix64 step: a bijection on 64-bit integers that spreads every input bit."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
@@ -106,7 +120,7 @@ class Sampler:
         if not rows:
             return tokens
         chosen = [params[i] for i in rows]
-        index = torch.tensor(rows, device=logits.device)
+        index = device_tensor(rows, torch.int64, logits.device)
         probs = self._filtered_probs(logits[index], chosen)
         noise = self._exponential_noise(probs, chosen, [steps[i] for i in rows])
         tokens[index] = (probs / noise).argmax(dim=-1)
@@ -114,15 +128,16 @@ class Sampler:
 
     def _filtered_probs(self, logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
         device, vocab = logits.device, logits.shape[-1]
-        temperature = torch.tensor([p.temperature for p in params], device=device)
+        temperature = device_tensor([p.temperature for p in params], torch.float32, device)
         probs = torch.softmax(logits / temperature.unsqueeze(-1), dim=-1)
         if any(0 < p.top_k < vocab for p in params):
-            probs = apply_top_k(probs, torch.tensor([p.top_k for p in params], device=device))
+            probs = apply_top_k(probs, device_tensor([p.top_k for p in params], torch.int64,
+                                                     device))
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)
+            top_p = device_tensor([p.top_p for p in params], torch.float64, device)
             probs = apply_top_p(probs, top_p)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device)
+            min_p = device_tensor([p.min_p for p in params], torch.float64, device)
             probs = apply_min_p(probs, min_p)
         return probs
 
@@ -135,7 +150,7 @@ class Sampler:
         if unseeded:
             draws = torch.empty(len(unseeded), vocab, device=device)
             draws.exponential_(generator=self._generator(device))
-            noise[torch.tensor(unseeded, device=device)] = draws
+            noise[device_tensor(unseeded, torch.int64, device)] = draws
         for i, (p, step) in enumerate(zip(params, steps, strict=True)):
             if p.seed is not None:
                 generator = torch.Generator(device=device)

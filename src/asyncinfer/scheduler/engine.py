@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -19,6 +20,10 @@ class Engine(Protocol):
     page_size: int
     max_rows: int
     context_len: int
+
+    def write_prompt(self, row: int, token_ids: Sequence[int]) -> None:
+        """Put a newly admitted request's prompt into its token-pool row."""
+        ...
 
     def forward(self, batch: Batch) -> ForwardOutput:
         """Run one batch; sampled tokens are written back to the token pool."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import torch
 from attrs import define
 
 from asyncinfer.config import EngineConfig
@@ -184,9 +183,7 @@ class Scheduler:
         for req, end in adder.admitted:
             if req.row == -2:
                 req.row = self.free_rows.pop(0)
-                prompt = torch.tensor(req.prompt_ids, dtype=self.engine.token_pool.dtype)
-                self.engine.token_pool[req.row, : req.prompt_len] = prompt.to(
-                    self.engine.token_pool.device)
+                self.engine.write_prompt(req.row, req.prompt_ids)
                 self.cache.map_prefix(req)
             self.cache.allocate(req, end)
         reqs = [req for req, _ in adder.admitted]

@@ -1,0 +1,149 @@
+"""The CUDA attention backend: flashinfer's paged prefill (extend) and decode kernels.
+
+The page table stays on the host. For each batch the runner turns it into flashinfer's paged
+layout (``indptr``, page ``indices``, ``last_page_len``) in pinned memory; ``plan`` copies it
+to the device without blocking, once per batch, and every layer reuses the plan.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+import torch
+from attrs import frozen
+
+from asyncinfer.errors import ConfigError
+from asyncinfer.kvcache.pool import KVPool
+
+WORKSPACE_BYTES = 128 * 2**20     # flashinfer's recommended float workspace
+
+
+def load_flashinfer(device: torch.device) -> ModuleType:
+    """The flashinfer module, or a clear error saying why it cannot be used here."""
+    if device.type != "cuda":
+        raise ConfigError("attention_backend='flashinfer' needs a CUDA device; "
+                          "use the torch backend on CPU")
+    try:
+        return importlib.import_module("flashinfer")
+    except ImportError as exc:
+        raise ConfigError("attention_backend='flashinfer' needs flashinfer-python "
+                          "(pip install 'asyncinfer[cuda]')") from exc
+
+
+@frozen
+class PagedLayout:
+    """One batch's KV in flashinfer's paged layout (int32, host; pinned on CUDA)."""
+
+    indptr: torch.Tensor          # [B + 1] request i's pages are indices[indptr[i]:indptr[i+1]]
+    indices: torch.Tensor         # [pages] page ids
+    last_page_len: torch.Tensor   # [B] tokens in each request's last page
+    seq_lens: torch.Tensor        # [B] KV length of each request
+
+
+def paged_layout(page_table: torch.Tensor, rows: list[int], ends: list[int], page_size: int,
+                 pad_to: int | None = None, pad_page: int = 0) -> PagedLayout:
+    """Pages of positions ``[0, ends[i])`` of each row, read off the host page table.
+
+    ``pad_to`` appends rows of one token on ``pad_page`` (a CUDA graph's unused rows).
+    """
+    lens = torch.tensor(ends, dtype=torch.int64)
+    counts = (lens + page_size - 1) // page_size
+    columns = torch.arange(0, int(counts.max()) * page_size, page_size)
+    pages = page_table[torch.tensor(rows)[:, None], columns[None, :]] // page_size
+    indices = pages[torch.arange(columns.numel())[None, :] < counts[:, None]]
+    if pad_to is not None and pad_to > len(rows):
+        extra = pad_to - len(rows)
+        ones = torch.ones(extra, dtype=torch.int64)
+        indices = torch.cat([indices, torch.full((extra,), pad_page, dtype=torch.int64)])
+        counts, lens = torch.cat([counts, ones]), torch.cat([lens, ones])
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    last = lens - (counts - 1) * page_size
+    return PagedLayout(indptr.int(), indices.int(), last.int(), lens.int())
+
+
+def pin(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Page-locked copy for a non-blocking upload (a no-op off CUDA)."""
+    return tensor.pin_memory() if device.type == "cuda" else tensor
+
+
+@frozen
+class FlashInferMetadata:
+    """What every layer of one forward needs: the planned wrapper and each token's KV slot."""
+
+    wrapper: Any
+    out_loc: torch.Tensor     # [T] on the device
+
+
+class FlashInferBackend:
+    """Plans one wrapper per batch and runs it for every layer over the page pool.
+
+    Prefill and mixed batches use the paged prefill wrapper (causal, queries aligned to the
+    end of each request's KV, so extending a cached prefix needs nothing more); decode
+    batches use the decode wrapper, or a CUDA-graph one per captured batch size.
+    """
+
+    def __init__(self, flashinfer: ModuleType, pool: KVPool, num_heads: int,
+                 num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.fi, self.pool, self.device, self.dtype = flashinfer, pool, device, dtype
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        # Tensor cores pay off once several query heads share a KV head (as in SGLang).
+        self.decode_tensor_cores = num_heads // num_kv_heads >= 4
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
+        self._plan_events: dict[int, torch.cuda.Event] = {}
+        shape = (pool.num_pages, pool.page_size, num_kv_heads, head_dim)
+        self._pages = [(pool.k[i].view(shape), pool.v[i].view(shape))
+                       for i in range(pool.k.shape[0])]
+
+    def graph_decode_wrapper(self, batch_size: int, indptr: torch.Tensor,
+                             indices: torch.Tensor, last_page_len: torch.Tensor) -> Any:
+        """A decode wrapper for CUDA graphs of ``batch_size``, on fixed device buffers."""
+        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=indptr[: batch_size + 1],
+            paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last_page_len[:batch_size])
+
+    def plan_decode(self, wrapper: Any, layout: PagedLayout) -> None:
+        """Plan a decode wrapper for one batch."""
+        self._plan(wrapper, lambda: wrapper.plan(
+            layout.indptr, layout.indices, layout.last_page_len, self.num_heads,
+            self.num_kv_heads, self.head_dim, self.pool.page_size, q_data_type=self.dtype,
+            kv_data_type=self.dtype, sm_scale=self.scale))
+
+    def plan_prefill(self, layout: PagedLayout, qo_indptr: torch.Tensor) -> None:
+        """Plan the prefill wrapper: ``qo_indptr`` splits the batch's new tokens by request."""
+        self._plan(self.prefill, lambda: self.prefill.plan(
+            qo_indptr, layout.indptr, layout.indices, layout.last_page_len, self.num_heads,
+            self.num_kv_heads, self.head_dim, self.pool.page_size, causal=True,
+            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            seq_lens=layout.seq_lens))
+
+    def _plan(self, wrapper: Any, plan: Any) -> None:
+        # plan() stages its schedule in a pinned buffer of the wrapper and uploads it without
+        # blocking. With the next batch planned while one runs, that buffer must not be
+        # rewritten before the last upload from it ran: wait for that upload (long done in
+        # practice: it is the first thing the previous batch did on the stream).
+        previous = self._plan_events.get(id(wrapper))
+        if previous is not None:
+            previous.synchronize()
+        plan()
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._plan_events[id(wrapper)] = event
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: FlashInferMetadata) -> torch.Tensor:
+        """Store the new K, V at their slots, then attend over each request's pages."""
+        self.pool.store(layer, meta.out_loc, k, v)
+        out = meta.wrapper.run(q.contiguous(), self._pages[layer])
+        return out.view(q.shape[0], -1)

@@ -1,0 +1,203 @@
+"""The GPU offline benchmark: nano-vllm's workload on one GPU, beside transformers' continuous
+batching, with the memory-bandwidth floor and a profile of one decode step.
+
+``asyncinfer bench offline --workload gpu --device cuda --shape qwen3-0.6b`` (dummy weights).
+Sampling follows nano-vllm's bench: temperature 0.6, EOS ignored.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Qwen3-0.6B's config.json, shape only (the benchmark runs dummy weights).
+QWEN3_0_6B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+    "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
+    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+}
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B}
+
+
+def shape_dir(name: str, root: Path) -> Path:
+    """A model directory holding only the config.json of a known shape."""
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    return path
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    n = int(gib * 2**30) // 2
+    src = torch.randn(n // 2, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 10 * 2 * src.nbytes / (start.elapsed_time(end) / 1000)
+
+
+def bandwidth_floor(model_dir: Path, prompts: list[list[int]], max_tokens: list[int],
+                    bytes_per_s: float, max_running: int) -> dict[str, Any]:
+    """Seconds to read what decoding must read, once: the weights once per decode step (all
+    requests running together while they fit) and each token's whole KV prefix."""
+    from asyncinfer.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(model_dir)
+    weights = 2 * (cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+                   + cfg.num_layers * (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads)
+                                       * cfg.head_dim
+                                       + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+                                       + 3 * cfg.hidden_size * cfg.intermediate_size))
+    kv_token = cfg.kv_bytes_per_token(torch.bfloat16)
+    kv_reads = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, max_tokens))
+    steps = sum(sorted(max_tokens, reverse=True)[::max_running]) if max_running < len(
+        prompts) else max(max_tokens)
+    total = steps * weights + kv_reads * kv_token
+    seconds = total / bytes_per_s
+    return {"bytes": total, "seconds": round(seconds, 3), "decode_steps": steps,
+            "weight_bytes": weights, "kv_bytes_per_token": kv_token,
+            "tokens_per_s": round(sum(max_tokens) / seconds, 1),
+            "bandwidth_gb_s": round(bytes_per_s / 1e9, 1)}
+
+
+def run_transformers_cb(model_dir: Path, prompts: list[list[int]], max_tokens: list[int],
+                        device: str, budget_s: float) -> dict[str, Any]:
+    """transformers' continuous batching (``init_continuous_batching``), random weights of
+    the same shape, temperature 0.6, EOS never stops a request early."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    gen = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=True, temperature=0.6,
+                           eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    start = time.perf_counter()
+    try:
+        ids = [manager.add_request(input_ids=p, request_id=f"r{i}", max_new_tokens=n)
+               for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+        done: dict[str, int] = {}
+        while len(done) < len(ids) and time.perf_counter() - start < budget_s:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = len(result.generated_tokens)
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=30)
+    tokens = sum(done.values())
+    finished = len(done) == len(ids)
+    return {"engine": "transformers continuous batching", "tokens": tokens,
+            "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
+            "requests_finished": len(done), "complete": finished,
+            **({} if finished else {"note": f"stopped at the {budget_s:.0f} s budget"})}
+
+
+def free_cuda() -> None:
+    """Return what a finished engine held to the device."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(args: Any) -> int:
+    """`asyncinfer bench offline --workload gpu`."""
+    import tempfile
+
+    from asyncinfer.api import LLM
+    from asyncinfer.bench.profile import profile_decode_step
+    from asyncinfer.bench.util import git_commit
+    from asyncinfer.bench.workloads import gpu_offline
+    from asyncinfer.models.source import resolve_model
+    from asyncinfer.params import SamplingParams
+
+    prompts, max_tokens = gpu_offline()
+    temperature = 0.6 if args.temperature is None else args.temperature
+    model_dir = (shape_dir(args.shape, Path(tempfile.mkdtemp())) if args.shape
+                 else resolve_model(args.model))
+    device = torch.device(args.device)
+    max_running = args.max_running_requests or 256
+    options: dict[str, Any] = {
+        "device": args.device, "dtype": args.dtype, "policy": args.policy,
+        "max_running_requests": max_running, "page_size": args.page_size,
+        "load_format": "dummy" if args.shape else args.load_format, "max_seq_len": 2048,
+        "max_extend_tokens": args.max_extend_tokens or 16384}
+    bandwidth = copy_bandwidth(device)
+    floor = bandwidth_floor(model_dir, prompts, max_tokens, bandwidth, max_running)
+    log(f"bandwidth floor: {json.dumps(floor)}")
+    start = time.perf_counter()
+    llm = LLM(str(model_dir), skip_tokenizer_init=True, **options)
+    startup = time.perf_counter() - start
+    llm.generate([p[:64] for p in prompts[:8]],
+                 SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
+              for n in max_tokens]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    ours = {"engine": "asyncinfer", "tokens": tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1), "startup_s": round(startup, 1),
+            "options": options, "policy": llm.policy.name}
+    log(json.dumps(ours))
+    profile = None
+    if args.profile:
+        # Overwrites rows and pages of the (idle) engine: it is closed right after.
+        profile = [profile_decode_step(llm.runner, min(bs, max_running), context)
+                   for bs, context in ((256, 850), (64, 850), (1, 850))]
+        log(json.dumps(profile))
+    llm.close()
+    del llm, outputs
+    free_cuda()
+    peer = None
+    if "transformers" in args.peers:
+        try:
+            peer = run_transformers_cb(model_dir, prompts, max_tokens, args.device,
+                                       args.peer_budget)
+        except Exception as exc:  # report a peer that could not run, do not lose our numbers
+            peer = {"engine": "transformers continuous batching", "error": repr(exc)}
+        log(json.dumps(peer))
+    report = {
+        "benchmark": "offline-gpu (nano-vllm workload)", "model": f"{model_dir.name} "
+        f"({'dummy weights' if args.shape else args.load_format})", "dtype": args.dtype,
+        "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+        "commit": git_commit(), "requests": len(prompts), "temperature": temperature,
+        "tokens": tokens, "seconds": ours["seconds"], "tokens_per_s": ours["tokens_per_s"],
+        "peer": peer["engine"] if peer else None,
+        "peer_tokens_per_s": peer.get("tokens_per_s") if peer else None,
+        "speedup_over_peer": (round(ours["tokens_per_s"] / peer["tokens_per_s"], 1)
+                              if peer and peer.get("tokens_per_s") else None),
+        "bandwidth_floor": floor,
+        "fraction_of_floor": round(floor["seconds"] / seconds, 3),
+        "results": [ours] + ([peer] if peer else []), "decode_step_profile": profile}
+    print(f"asyncinfer: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
+          f"bandwidth floor {floor['seconds']:.2f} s ({floor['tokens_per_s']:,.0f} tok/s at "
+          f"{floor['bandwidth_gb_s']:.0f} GB/s): {floor['seconds'] / seconds:.0%} of it")
+    if peer and peer.get("tokens_per_s"):
+        print(f"{peer['engine']}: {peer['tokens']} tokens in {peer['seconds']:.1f} s = "
+              f"{peer['tokens_per_s']:,.0f} tok/s; asyncinfer is "
+              f"{ours['tokens_per_s'] / peer['tokens_per_s']:.1f}x")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0

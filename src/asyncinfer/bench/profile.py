@@ -1,0 +1,104 @@
+"""Where one decode step's time goes on CUDA: attention, matrix products, sampling, other
+kernels, and the gaps between kernels, for a steady batch at a fixed context length."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asyncinfer.engine.batch import Batch
+from asyncinfer.engine.runner import ModelRunner
+from asyncinfer.params import SamplingParams
+
+_ATTENTION = ("kvcache", "flashinfer", "mergestate", "attention")
+_MATMUL = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "sm90_")
+
+
+def kernel_class(name: str) -> str:
+    """attention, matmul or other, from a kernel's name."""
+    lower = name.lower()
+    if any(k in lower for k in _ATTENTION):
+        return "attention"
+    if any(k in lower for k in _MATMUL):
+        return "matmul"
+    return "other"
+
+
+def steady_decode_batch(runner: ModelRunner, batch_size: int, context: int,
+                        params: SamplingParams) -> Batch:
+    """``batch_size`` rows of ``context`` tokens each, on disjoint pages, decoding one token."""
+    page = runner.page_size
+    span = -(-(context + 1) // page) * page
+    assert batch_size * span // page <= runner.num_pages, "KV pool too small for the profile"
+    for row in range(batch_size):
+        runner.page_table[row, :span] = torch.arange(row * span, (row + 1) * span)
+    runner.token_pool[:batch_size, : context + 1].random_(0, 10000)
+    return Batch(rows=list(range(batch_size)), starts=[context - 1] * batch_size,
+                 ends=[context] * batch_size, params=[params] * batch_size,
+                 steps=[0] * batch_size)
+
+
+def _step_ms(runner: ModelRunner, batch: Batch, steps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        runner.launch(batch)()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def _sampling_ms(runner: ModelRunner, batch: Batch, steps: int = 20) -> float:
+    logits = torch.randn(batch.size, runner.model_config.vocab_size, device=runner.device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        runner.sampler.sample(logits, batch.params, batch.steps)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def profile_decode_step(runner: ModelRunner, batch_size: int, context: int,
+                        steps: int = 10) -> dict[str, Any]:
+    """Times one decode step (graph replay when captured) and splits its kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=0.6, ignore_eos=True)
+    batch = steady_decode_batch(runner, batch_size, context, params)
+    for _ in range(3):
+        runner.launch(batch)()
+    step_ms = _step_ms(runner, batch, steps)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _step_ms(runner, batch, steps)
+    kernels = [e for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
+    totals = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    for e in kernels:
+        totals[kernel_class(e.name)] += e.time_range.elapsed_us() / 1000
+    busy_ms = _union_ms([(e.time_range.start, e.time_range.end) for e in kernels])
+    sampling = _sampling_ms(runner, batch)
+    per_step = {k: round(v / steps, 3) for k, v in totals.items()}
+    # Sampling kernels are named like any elementwise kernel: time them apart, take them out
+    # of "other".
+    per_step["sampling"] = round(sampling, 3)
+    per_step["other"] = round(max(0.0, per_step["other"] - sampling), 3)
+    busy = busy_ms / steps
+    return {"batch_size": batch_size, "context": context, "step_ms": round(step_ms, 3),
+            "kernel_ms": per_step, "kernels_busy_ms": round(busy, 3),
+            "gaps_ms": round(max(0.0, step_ms - busy), 3),
+            "kernels_seen": len(kernels) // steps,
+            "graph": getattr(runner, "graphs", None) is not None}
+
+
+def _union_ms(intervals: list[tuple[int, int]]) -> float:
+    total, end = 0, None
+    for lo, hi in sorted(intervals):
+        if end is None or lo > end:
+            total += hi - lo
+            end = hi
+        elif hi > end:
+            total += hi - end
+            end = hi
+    return total / 1000

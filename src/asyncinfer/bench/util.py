@@ -1,0 +1,16 @@
+"""Small helpers the benchmarks share."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+
+def git_commit() -> str:
+    """The short commit of the checkout the benchmark runs from ("unknown" outside git)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=False, cwd=Path(__file__).parent)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"

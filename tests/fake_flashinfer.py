@@ -1,0 +1,98 @@
+"""A CPU stand-in for flashinfer's two paged-attention wrappers, written from their documented
+contract: int32 ``indptr``/``indices``/``last_page_len``, NHD pages, causal queries aligned to
+the end of each request's KV, and (CUDA-graph mode) plans copied into the caller's buffers and
+read back at run time. It lets the flashinfer runner's metadata, padding and graph-buffer
+logic run in the CPU suite; the real kernels are checked on the GPU (tests/gpu).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+HAS_FLOAT32_KERNELS = True   # the stand-in computes in float32; the real flashinfer does not
+
+
+class _PagedWrapper:
+    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, use_tensor_cores: bool = False,
+                 paged_kv_indptr_buffer: torch.Tensor | None = None,
+                 paged_kv_indices_buffer: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+                 backend: str = "auto") -> None:
+        assert kv_layout == "NHD"
+        self.graph = use_cuda_graph
+        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer,
+                        paged_kv_last_page_len_buffer)
+        self.qo_indptr: torch.Tensor | None = None
+        self.planned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.plans = 0
+
+    def _store(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
+               page_size: int) -> None:
+        for t in (indptr, indices, last):
+            assert t.dtype == torch.int32, t.dtype
+        assert int(last.min()) >= 1 and int(last.max()) <= page_size, last
+        self.page_size = page_size
+        self.plans += 1
+        if self.graph:  # like flashinfer: copy into the fixed buffers, read them at run time
+            indptr_buf, indices_buf, last_buf = self.buffers
+            assert indptr_buf is not None and indices_buf is not None and last_buf is not None
+            assert indptr.numel() == indptr_buf.numel(), "graph batch size is fixed"
+            indptr_buf.copy_(indptr)
+            last_buf.copy_(last)
+            indices_buf[: indices.numel()].copy_(indices)
+        else:
+            self.planned = (indptr.clone(), indices.clone(), last.clone())
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]
+            ) -> torch.Tensor:
+        k_pages, v_pages = paged_kv_cache
+        if self.graph:
+            indptr, indices, last = self.buffers  # type: ignore[assignment]
+        else:
+            assert self.planned is not None, "run before plan"
+            indptr, indices, last = self.planned
+        batch = last.numel()
+        qo = self.qo_indptr if self.qo_indptr is not None else torch.arange(batch + 1)
+        out = torch.empty_like(q)
+        for i in range(batch):
+            pages = indices[int(indptr[i]) : int(indptr[i + 1])].long()
+            kv_len = (pages.numel() - 1) * self.page_size + int(last[i])
+            keys = k_pages[pages].flatten(0, 1)[:kv_len].float()
+            values = v_pages[pages].flatten(0, 1)[:kv_len].float()
+            lo, hi = int(qo[i]), int(qo[i + 1])
+            qr = q[lo:hi].float()
+            n = hi - lo
+            group = q.shape[1] // keys.shape[1]
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+            # Query j sits at position kv_len - n + j and sees keys up to it.
+            mask = torch.ones(n, kv_len, dtype=torch.bool).tril(diagonal=kv_len - n)
+            res = F.scaled_dot_product_attention(
+                qr.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                attn_mask=mask, scale=self.sm_scale)
+            out[lo:hi] = res.transpose(0, 1).to(q.dtype)
+        return out
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+             num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             **options: Any) -> None:
+        self.sm_scale = options.get("sm_scale") or head_dim**-0.5
+        self._store(indptr, indices, last_page_len, page_size)
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
+    def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor,
+             paged_kv_indices: torch.Tensor, paged_kv_last_page_len: torch.Tensor,
+             num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int,
+             **options: Any) -> None:
+        assert options.get("causal") is True
+        assert qo_indptr.dtype == torch.int32
+        self.sm_scale = options.get("sm_scale") or head_dim_qk**-0.5
+        self.qo_indptr = qo_indptr.clone()
+        self._store(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Run a command on the device machine (an H200 lent through the device tool; DEVELOPERS.md).
+#
+#   bash tests/gpu/device_run.sh python3 -m nox -s gpu-tests
+#
+# It installs the wheels carried in .whl/ (flashinfer-python, apache-tvm-ffi and what the
+# tests need beyond the machine's image) into /tmp/site, restores flashinfer's compiled
+# kernels from .fi-cache/kernels.tar.gz as its AOT kernels (no JIT for those), runs the
+# command, and packs every kernel it has into $OUT/kernels.tar.gz for the next call.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+aot=/tmp/site/flashinfer/data/aot
+mkdir -p "$aot"
+[ -f .fi-cache/kernels.tar.gz ] && tar xzf .fi-cache/kernels.tar.gz -C "$aot"
+export FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
+[ -d .gpu-assets/tokenizer ] && export ASYNCINFER_TOKENIZER_DIR=$PWD/.gpu-assets/tokenizer
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null || exit 1
+"$@"
+rc=$?
+save=/tmp/kernels
+mkdir -p "$save"
+cp -r "$aot"/. "$save"/ 2>/dev/null
+for so in /tmp/fiws/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+    [ -f "$so" ] || continue
+    name=$(basename "$(dirname "$so")")
+    mkdir -p "$save/$name" && cp "$so" "$save/$name/"
+done
+if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/kernels.tar.gz" -C "$save" . && ls -la "$OUT/kernels.tar.gz"
+fi
+exit $rc

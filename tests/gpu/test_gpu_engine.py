@@ -1,0 +1,124 @@
+"""The CUDA path on a GPU: flashinfer attention against the torch backend (bf16), CUDA-graph
+decode against eager, overlap on against off, seeded sampling on the GPU, float32 through the
+torch backend against transformers, and no page or row left behind."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncinfer.api import LLM
+from asyncinfer.engine.flashinfer_runner import FlashInferRunner
+from asyncinfer.errors import ConfigError
+from asyncinfer.params import SamplingParams
+from tests.gpu.conftest import needs_gpu
+from tests.hf_reference import hf_greedy, load_hf
+
+pytestmark = [pytest.mark.gpu, needs_gpu]
+
+TOKENS = 32
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def varied_prompts(n: int = 24, seed: int = 0) -> list[list[int]]:
+    """Lengths from 1 to 700, some sharing long prefixes (radix hits, extends over them)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 2000) for _ in range(300)]
+    lengths = [1, 2, 15, 16, 17, 63, 130, 257, 511, 700] + [
+        rng.randrange(1, 400) for _ in range(n - 10)]
+    prompts = [[rng.randrange(3, 2000) for _ in range(k)] for k in lengths]
+    for i in range(0, n, 4):
+        prompts[i] = shared[: rng.randrange(20, 300)] + prompts[i]
+    return prompts
+
+
+def generate(model_dir: Path, prompts: list[list[int]], params: object = GREEDY,
+             **options: object) -> tuple[list[list[int]], LLM]:
+    defaults: dict[str, object] = {"device": "cuda", "dtype": "bfloat16",
+                                   "max_running_requests": 32, "max_seq_len": 1200,
+                                   "kv_cache_gb": 1.0}
+    llm = LLM(str(model_dir), skip_tokenizer_init=True, **{**defaults, **options})
+    outputs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
+    assert all(o.error is None for o in outputs), [o.error for o in outputs]
+    return [o.token_ids for o in outputs], llm
+
+
+def assert_nothing_held(llm: LLM) -> None:
+    sched = llm.scheduler
+    sched.check_invariants()
+    assert not sched.running and not sched.waiting
+    assert sched.cache.allocator.num_free + sched.cache.cached_pages == llm.runner.num_pages
+    assert len(sched.free_rows) == llm.runner.max_rows
+
+
+@pytest.mark.parametrize("model", ["qwen3_h128_dir", "llama_h128_dir"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer_equals_torch_backend_bf16(model: str, page_size: int,
+                                              request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(model)
+    prompts = varied_prompts()
+    ours, llm = generate(model_dir, prompts, page_size=page_size,
+                         attention_backend="flashinfer")
+    assert isinstance(llm.runner, FlashInferRunner) and llm.runner.graphs is not None
+    assert_nothing_held(llm)
+    llm.close()
+    reference, _ = generate(model_dir, prompts, page_size=page_size,
+                            attention_backend="torch")
+    mismatched = [i for i, (a, b) in enumerate(zip(ours, reference)) if a != b]
+    assert not mismatched, [(len(prompts[i]), ours[i], reference[i]) for i in mismatched]
+
+
+def test_cuda_graph_decode_equals_eager(qwen3_h128_dir: Path) -> None:
+    prompts = varied_prompts(seed=1)
+    graphs, llm = generate(qwen3_h128_dir, prompts, cuda_graph=True, cuda_graph_max_bs=16)
+    assert llm.runner.graphs is not None and llm.runner.graphs.graphs  # really captured
+    eager, _ = generate(qwen3_h128_dir, prompts, cuda_graph=False)
+    assert graphs == eager
+
+
+def test_overlap_on_equals_overlap_off(qwen3_h128_dir: Path) -> None:
+    prompts = varied_prompts(seed=2)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in random.Random(2).choices(range(1, 60), k=len(prompts))]
+    on, llm = generate(qwen3_h128_dir, prompts, params, overlap=True)
+    assert_nothing_held(llm)
+    off, llm = generate(qwen3_h128_dir, prompts, params, overlap=False)
+    assert_nothing_held(llm)
+    assert on == off
+
+
+def test_seeded_sampling_on_gpu_does_not_depend_on_the_batch(qwen3_h128_dir: Path) -> None:
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=1234,
+                            ignore_eos=True)
+    other = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    prompts = varied_prompts(8, seed=3)
+    alone, _ = generate(qwen3_h128_dir, prompts[:1], seeded)
+    mixed, _ = generate(qwen3_h128_dir, prompts, [seeded] + [other] * 7)
+    assert mixed[0] == alone[0]
+    assert len(set(map(tuple, mixed))) > 1  # the others really sampled
+
+
+def test_float32_torch_backend_on_cuda_is_token_exact(qwen3_h128_dir: Path) -> None:
+    """flashinfer has no float32 kernels (its dtype maps hold fp16, bf16 and fp8 only), so
+    float32 runs through the torch backend on the GPU: exact against transformers there."""
+    with pytest.raises(ConfigError, match="float32"):
+        LLM(str(qwen3_h128_dir), skip_tokenizer_init=True, device="cuda", dtype="float32",
+            attention_backend="flashinfer", kv_cache_gb=0.5)
+    prompts = varied_prompts(8, seed=4)
+    ours, llm = generate(qwen3_h128_dir, prompts, dtype="float32")
+    assert not isinstance(llm.runner, FlashInferRunner)
+    hf = load_hf(qwen3_h128_dir).to("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert ours == [hf_greedy(hf, p, TOKENS) for p in prompts]
+
+
+def test_kv_pool_sized_from_free_memory(qwen3_h128_dir: Path) -> None:
+    llm = LLM(str(qwen3_h128_dir), skip_tokenizer_init=True, device="cuda",
+              gpu_memory_utilization=0.5, max_seq_len=1024, cuda_graph=False)
+    _, total = torch.cuda.mem_get_info()
+    pool_bytes = llm.runner.pool.k.nbytes + llm.runner.pool.v.nbytes
+    assert 0.25 * total < pool_bytes < 0.5 * total, (pool_bytes, total)
+    assert llm.runner.num_pages * llm.runner.page_size > 1_000_000
