@@ -134,11 +134,39 @@ class AsyncEngine:
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None
                        ) -> RequestOutput:
         """Run one request to the end."""
+        params = params or SamplingParams()
+        if self._coordinator is not None and not params.stop:
+            return await self._generate_collected(prompt, params, self._coordinator)
         output = None
         async for delta in self.stream(prompt, params):
             output = delta.output
         assert output is not None
         return output
+
+    async def _generate_collected(self, prompt: Prompt, params: SamplingParams,
+                                  coordinator: Coordinator) -> RequestOutput:
+        # No stop strings to watch: nothing needs the tokens before the end, so the request
+        # wakes this task once instead of once per token.
+        ids = self.encode(prompt)
+        uid = next(self._uids)
+        arrival = time.perf_counter()
+        collector = coordinator.add_collected(uid, ids, params)
+        try:
+            last = await collector.done
+        except asyncio.CancelledError:
+            coordinator.abort(uid)
+            raise
+        assert last.finish_reason is not None
+        text = ""
+        if self.tokenizer is not None:
+            detok = self.tokenizer.detokenizer(params, ids)
+            detok.push(collector.tokens)
+            detok.finish()
+            text = detok.text
+        return RequestOutput(
+            uid, prompt if isinstance(prompt, str) else None, ids, text, collector.tokens,
+            last.finish_reason, last.error, last.prefix_len,
+            RequestMetrics(arrival, collector.first_token_time, time.perf_counter()))
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None
                      ) -> AsyncIterator[StreamDelta]:
@@ -198,6 +226,10 @@ class AsyncEngine:
         if self._coordinator is None:
             return EngineStats(0, 0, 0, self.runner.num_pages, 0, 0)
         return EngineStats(**self._coordinator.stats())
+
+    def timing(self) -> dict[str, float]:
+        """Seconds the coordinator spent on the host and awaiting the device."""
+        return self._coordinator.timing() if self._coordinator is not None else {}
 
 
 class LLM:

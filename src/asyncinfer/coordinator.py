@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -47,6 +48,24 @@ class _Launched:
     future: asyncio.Future[ForwardOutput]
 
 
+class Collector:
+    """A channel read once, at the end: it gathers a request's tokens as they come and wakes
+    its reader only when the request finishes (per-token wake-ups of hundreds of readers are
+    what limits a large batch otherwise)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.first_token_time: float | None = None
+        self.done: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
+
+    def put_nowait(self, event: Event) -> None:
+        if event.token is not None:
+            self.tokens.append(event.token)
+            self.first_token_time = self.first_token_time or time.perf_counter()
+        if event.finished and not self.done.done():
+            self.done.set_result(event)
+
+
 class Coordinator:
     """Owns the scheduler's loop; frontends talk to it only through ``add`` and ``abort``."""
 
@@ -59,19 +78,30 @@ class Coordinator:
         self.overlap = overlap
         self.batches = {"prefill": 0, "decode": 0}
         self._commands: asyncio.Queue[_Add | _Abort | None] = asyncio.Queue()
-        self._channels: dict[int, asyncio.Queue[Event]] = {}
+        self._channels: dict[int, asyncio.Queue[Event] | Collector] = {}
+        self.host_seconds = 0.0                 # scheduling, launching, processing, delivering
+        self.wait_seconds = 0.0                 # awaiting the device
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-wait")
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()            # set while the loop waits with nothing to do
 
     # ---- frontend side ---------------------------------------------------------------------
 
-    def add(self, uid: int, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue[Event]:
+    def add(self, uid: int, prompt_ids: list[int], params: SamplingParams
+            ) -> asyncio.Queue[Event]:
         """Queue a request; its events arrive on the returned channel, the last one finished."""
         channel: asyncio.Queue[Event] = asyncio.Queue()
         self._channels[uid] = channel
         self._commands.put_nowait(_Add(uid, prompt_ids, params))
         return channel
+
+    def add_collected(self, uid: int, prompt_ids: list[int], params: SamplingParams
+                      ) -> Collector:
+        """Queue a request whose reader wants only the end: see :class:`Collector`."""
+        collector = Collector()
+        self._channels[uid] = collector
+        self._commands.put_nowait(_Add(uid, prompt_ids, params))
+        return collector
 
     def abort(self, uid: int, notify: bool = False) -> None:
         """Stop a request and free what it holds; its channel gets no more events."""
@@ -114,6 +144,7 @@ class Coordinator:
             if not self._drain_commands():
                 await self._fail_all("the engine is shutting down")
                 break
+            start, waited = time.perf_counter(), self.wait_seconds
             try:
                 inflight = await self._round(inflight)
             except Exception as exc:  # a failed round must not take the server down
@@ -121,6 +152,7 @@ class Coordinator:
                 await self._fail_all(f"engine error: {exc}")
                 inflight = None
             self._deliver(self.scheduler.take_events())
+            self.host_seconds += time.perf_counter() - start - (self.wait_seconds - waited)
 
     async def _round(self, inflight: _Launched | None) -> _Launched | None:
         launched = None
@@ -143,7 +175,9 @@ class Coordinator:
         return _Launched(scheduled, loop.run_in_executor(self._executor, wait))
 
     async def _finish(self, launched: _Launched) -> None:
+        start = time.perf_counter()
         out = await launched.future
+        self.wait_seconds += time.perf_counter() - start
         self.scheduler.process(launched.scheduled, out.next_tokens.tolist())
 
     def _drain_commands(self) -> bool:
@@ -189,3 +223,7 @@ class Coordinator:
                 "kv_pages_used": total - sched.cache.allocator.num_free - sched.cache.cached_pages,
                 "batches_prefill": self.batches["prefill"],
                 "batches_decode": self.batches["decode"]}
+
+    def timing(self) -> dict[str, float]:
+        """Seconds the loop spent on the host and awaiting the device, since it started."""
+        return {"host_s": round(self.host_seconds, 3), "wait_s": round(self.wait_seconds, 3)}

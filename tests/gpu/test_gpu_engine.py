@@ -14,7 +14,7 @@ from asyncinfer.api import LLM
 from asyncinfer.engine.flashinfer_runner import FlashInferRunner
 from asyncinfer.errors import ConfigError
 from asyncinfer.params import SamplingParams
-from tests.gpu.conftest import needs_gpu
+from tests.gpu.conftest import VOCAB, alternating, needs_gpu
 from tests.hf_reference import hf_greedy, load_hf
 
 pytestmark = [pytest.mark.gpu, needs_gpu]
@@ -27,8 +27,8 @@ def varied_prompts(n: int = 24, seed: int = 0) -> list[list[int]]:
     """Lengths from 1 to 700, some sharing long prefixes (radix hits, extends over them)."""
     rng = random.Random(seed)
     shared = [rng.randrange(3, 2000) for _ in range(300)]
-    lengths = [1, 2, 15, 16, 17, 63, 130, 257, 511, 700] + [
-        rng.randrange(1, 400) for _ in range(n - 10)]
+    lengths = ([1, 2, 15, 16, 17, 63, 130, 257, 511, 700] + [
+        rng.randrange(1, 400) for _ in range(n)])[:n]
     prompts = [[rng.randrange(3, 2000) for _ in range(k)] for k in lengths]
     for i in range(0, n, 4):
         prompts[i] = shared[: rng.randrange(20, 300)] + prompts[i]
@@ -54,12 +54,24 @@ def assert_nothing_held(llm: LLM) -> None:
     assert len(sched.free_rows) == llm.runner.max_rows
 
 
-@pytest.mark.parametrize("model", ["qwen3_h128_dir", "llama_h128_dir"])
+def alternation_prompts(n: int = 24, seed: int = 0) -> list[list[int]]:
+    """``a b a b ...`` prompts of 2 to 700 tokens; every fourth continues the first one's
+    pair, so it shares a prefix with it (radix hits, extends over cached pages)."""
+    rng = random.Random(seed)
+    lengths = ([2, 3, 15, 16, 17, 63, 130, 257, 511, 700] + [
+        rng.randrange(2, 400) for _ in range(n)])[:n]
+    first = (rng.randrange(3, VOCAB), rng.randrange(3, VOCAB))
+    pairs = [first if i % 4 == 0 else (rng.randrange(3, VOCAB), rng.randrange(3, VOCAB))
+             for i in range(n)]
+    return [alternating(pair, k) for pair, k in zip(pairs, lengths)]
+
+
+@pytest.mark.parametrize("model", ["trained_qwen3_dir", "trained_llama_dir"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_flashinfer_equals_torch_backend_bf16(model: str, page_size: int,
                                               request: pytest.FixtureRequest) -> None:
     model_dir = request.getfixturevalue(model)
-    prompts = varied_prompts()
+    prompts = alternation_prompts()
     ours, llm = generate(model_dir, prompts, page_size=page_size,
                          attention_backend="flashinfer")
     assert isinstance(llm.runner, FlashInferRunner) and llm.runner.graphs is not None
@@ -69,6 +81,9 @@ def test_flashinfer_equals_torch_backend_bf16(model: str, page_size: int,
                             attention_backend="torch")
     mismatched = [i for i, (a, b) in enumerate(zip(ours, reference)) if a != b]
     assert not mismatched, [(len(prompts[i]), ours[i], reference[i]) for i in mismatched]
+    # The model really solves the task: the prompts' alternation goes on.
+    assert ours == [alternating((p[len(p) % 2], p[(len(p) + 1) % 2]), TOKENS)
+                    for p in prompts]
 
 
 def test_cuda_graph_decode_equals_eager(qwen3_h128_dir: Path) -> None:

@@ -158,7 +158,8 @@ def main(args: Any) -> int:
     tokens = sum(len(o.token_ids) for o in outputs)
     ours = {"engine": "asyncinfer", "tokens": tokens, "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1), "startup_s": round(startup, 1),
-            "options": options, "policy": llm.policy.name}
+            "options": options, "policy": llm.policy.name,
+            "coordinator": llm.engine.timing(), "batches": llm.engine.stats().batches_decode}
     log(json.dumps(ours))
     profile = None
     if args.profile:
