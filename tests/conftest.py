@@ -24,7 +24,11 @@ def engine_under_test() -> tuple[str | None, dict[str, Any]]:
     (a local model directory) say otherwise; the GPU run uses both (see DEVELOPERS.md)."""
     device = os.environ.get("ASYNCINFER_TEST_DEVICE", "cpu")
     model = os.environ.get("ASYNCINFER_TEST_MODEL") or None
-    return model, {"device": device, "dtype": "float32" if device == "cpu" else "bfloat16"}
+    if device == "cpu":
+        return model, {"device": device, "dtype": "float32", "cache_type": "radix"}
+    # In bf16 a prefix-cache hit changes the shapes of the products, hence their rounding;
+    # the random model's near-ties then differ from a cold run's: compare cold runs.
+    return model, {"device": device, "dtype": "bfloat16", "cache_type": "naive"}
 
 
 @pytest.fixture(scope="session")

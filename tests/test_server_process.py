@@ -36,7 +36,8 @@ def server(served_model: Path) -> Iterator[str]:
     cmd = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port),
            "--model", str(served_model), "--served-model-name", NAME,
            "--device", target["device"], "--dtype", target["dtype"],
-           "--max-running-requests", "4", "--kv-cache-gb", "0.5"]
+           "--max-running-requests", "4", "--kv-cache-gb", "0.5",
+           "--cache-type", target["cache_type"]]
     proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -93,6 +93,14 @@ class FlashInferRunner(ModelRunner):
         return paged_layout(self.page_table, [0], [1], self.page_size, pad_to=bs,
                             pad_page=self.scratch_page)
 
+    def _staged(self, layout: PagedLayout) -> PagedLayout:
+        """The layout as flashinfer's plan wants it without blocking: page indices already
+        on the device (it copies host indices synchronously, which would wait for the batch
+        in flight), the small arrays it reads on the host in pinned memory."""
+        return PagedLayout(pin(layout.indptr, self.device), self._upload(layout.indices),
+                           pin(layout.last_page_len, self.device),
+                           pin(layout.seq_lens, self.device))
+
     def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
         return pin(tensor, self.device).to(self.device, non_blocking=True)
 
@@ -135,9 +143,8 @@ class FlashInferRunner(ModelRunner):
 
     def _eager(self, batch: Batch, host: HostInputs) -> torch.Tensor:
         out_loc = self.page_table.view(-1)[host.input_index]
-        layout = paged_layout(self.page_table, batch.rows, batch.ends, self.page_size)
-        layout = PagedLayout(*(pin(t, self.device) for t in (
-            layout.indptr, layout.indices, layout.last_page_len, layout.seq_lens)))
+        layout = self._staged(paged_layout(self.page_table, batch.rows, batch.ends,
+                                           self.page_size))
         if batch.phase == "decode":
             wrapper = self.backend.decode
             self.backend.plan_decode(wrapper, layout)
@@ -164,8 +171,7 @@ class FlashInferRunner(ModelRunner):
             torch.cat([host.positions, torch.zeros(pad, dtype=torch.int64)]),
             torch.cat([self.page_table.view(-1)[host.input_index],
                        torch.full((pad,), scratch_slot)])])
-        layout = paged_layout(self.page_table, batch.rows, batch.ends, self.page_size,
-                              pad_to=bs, pad_page=self.scratch_page)
-        layout = PagedLayout(*(pin(t, self.device) for t in (
-            layout.indptr, layout.indices, layout.last_page_len, layout.seq_lens)))
+        layout = self._staged(paged_layout(self.page_table, batch.rows, batch.ends,
+                                           self.page_size, pad_to=bs,
+                                           pad_page=self.scratch_page))
         return self.graphs.run(bs, pin(inputs, self.device), layout)[:n]
