@@ -11,6 +11,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 from attrs import frozen
 
@@ -47,20 +48,23 @@ def paged_layout(page_table: torch.Tensor, rows: list[int], ends: list[int], pag
     """Pages of positions ``[0, ends[i])`` of each row, read off the host page table.
 
     ``pad_to`` appends rows of one token on ``pad_page`` (a CUDA graph's unused rows).
+    ``page_table`` is a CPU tensor.
     """
-    lens = torch.tensor(ends, dtype=torch.int64)
+    lens = np.asarray(ends, np.int64)
     counts = (lens + page_size - 1) // page_size
-    columns = torch.arange(0, int(counts.max()) * page_size, page_size)
-    pages = page_table[torch.tensor(rows)[:, None], columns[None, :]] // page_size
-    indices = pages[torch.arange(columns.numel())[None, :] < counts[:, None]]
+    # Every page_size-th slot of a row, divided by page_size, is the row's page list.
+    pages = page_table.numpy()[np.asarray(rows)[:, None],
+                               np.arange(0, int(counts.max()) * page_size, page_size)]
+    indices = pages[np.arange(pages.shape[1])[None, :] < counts[:, None]] // page_size
     if pad_to is not None and pad_to > len(rows):
         extra = pad_to - len(rows)
-        ones = torch.ones(extra, dtype=torch.int64)
-        indices = torch.cat([indices, torch.full((extra,), pad_page, dtype=torch.int64)])
-        counts, lens = torch.cat([counts, ones]), torch.cat([lens, ones])
-    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        indices = np.concatenate([indices, np.full(extra, pad_page, np.int64)])
+        counts = np.concatenate([counts, np.ones(extra, np.int64)])
+        lens = np.concatenate([lens, np.ones(extra, np.int64)])
+    indptr = np.concatenate([[0], np.cumsum(counts)])
     last = lens - (counts - 1) * page_size
-    return PagedLayout(indptr.int(), indices.int(), last.int(), lens.int())
+    return PagedLayout(*(torch.from_numpy(a.astype(np.int32))
+                         for a in (indptr, indices, last, lens)))
 
 
 def pin(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -115,11 +115,14 @@ class Sampler:
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
         assert logits.shape[0] == len(params) == len(steps), "one params and step per row"
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
-            return tokens
+            return logits.argmax(dim=-1)
         chosen = [params[i] for i in rows]
+        if len(rows) == len(params):  # every row samples: no gather, no scatter
+            probs = self._filtered_probs(logits, chosen)
+            return (probs / self._exponential_noise(probs, chosen, steps)).argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
         index = device_tensor(rows, torch.int64, logits.device)
         probs = self._filtered_probs(logits[index], chosen)
         noise = self._exponential_noise(probs, chosen, [steps[i] for i in rows])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from asyncinfer.kvcache.pool import PageAllocator
@@ -99,7 +100,11 @@ class CacheManager:
         req.pages, req.shared_pages, req.prefix_node = [], 0, None
 
     def _write(self, row: int, first_page: int, pages: list[int]) -> None:
-        slots = torch.tensor(pages, dtype=torch.int64)[:, None] * self.page_size
-        slots = (slots + torch.arange(self.page_size)).flatten()
-        start = first_page * self.page_size
-        self.page_table[row, start : start + slots.numel()] = slots.to(self.page_table.device)
+        size = self.page_size
+        slots = (np.asarray(pages, np.int64)[:, None] * size + np.arange(size)).ravel()
+        start = first_page * size
+        if self.page_table.device.type == "cpu":
+            self.page_table.numpy()[row, start : start + slots.size] = slots
+        else:
+            self.page_table[row, start : start + slots.size] = torch.from_numpy(slots).to(
+                self.page_table.device)

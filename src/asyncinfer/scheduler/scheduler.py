@@ -261,8 +261,11 @@ class Scheduler:
         return [self.running[uid] for uid in sorted(self.running)]
 
     def _reserved_pages(self) -> int:
+        # Called every round over every active request: plain arithmetic, no properties.
+        size = self.engine.page_size
         active = list(self.running.values()) + [r for r in self.waiting if r.admitted]
-        return sum(self.cache.pages_to_finish(r) for r in active)
+        return sum((len(r.prompt_ids) + r.max_tokens + size - 1) // size - len(r.pages)
+                   for r in active)
 
     def _release(self, req: Req, keep: bool) -> None:
         if self.in_flight:  # a launched batch may still read or write its row and pages
