@@ -205,8 +205,10 @@ class Scheduler:
         reqs = [r for r in self._running_in_uid_order() if r.device_len < r.max_len]
         if not reqs:
             return None
+        size = self.engine.page_size
         for req in reqs:
-            self.cache.allocate(req, req.device_len)
+            if req.device_len > len(req.pages) * size:  # crosses into a new page
+                self.cache.allocate(req, req.device_len)
         batch = Batch(rows=[r.row for r in reqs], starts=[r.device_len - 1 for r in reqs],
                       ends=[r.device_len for r in reqs], params=[r.params for r in reqs],
                       steps=[r.device_len - r.prompt_len for r in reqs])
