@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="default: 0 (greedy) on cpu, 0.6 on gpu as nano-vllm's bench")
     offline.add_argument("--profile", action="store_true",
                          help="gpu: also profile one decode step (attention, matmul, ...)")
+    offline.add_argument("--gpu-busy", action="store_true",
+                         help="gpu: trace kernels over the run (busy vs wall; slows it)")
     offline.add_argument("--peer-budget", type=float, default=400.0,
                          help="gpu: seconds the transformers peer may run")
     offline.add_argument("--page-size", type=int, default=16)

@@ -152,14 +152,29 @@ def main(args: Any) -> int:
     params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
               for n in max_tokens]
     torch.cuda.synchronize()
+    trace = None
+    if args.gpu_busy:  # the GPU's kernel time over the run, against the run's wall time
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        trace = torch_profile(activities=[ProfilerActivity.CUDA])
+        trace.__enter__()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
+    busy = None
+    if trace is not None:
+        from asyncinfer.bench.profile import kernel_busy
+
+        trace.__exit__(None, None, None)
+        busy = kernel_busy(trace)
+        log(f"GPU kernels busy {busy['busy_s']:.2f} s of {seconds:.2f} s wall: {busy}")
     tokens = sum(len(o.token_ids) for o in outputs)
     ours = {"engine": "asyncinfer", "tokens": tokens, "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1), "startup_s": round(startup, 1),
             "options": options, "policy": llm.policy.name,
-            "coordinator": llm.engine.timing(), "batches": llm.engine.stats().batches_decode}
+            "coordinator": llm.engine.timing(), "batches": llm.engine.stats().batches_decode,
+            **({"gpu_busy": busy} if busy else {})}
     log(json.dumps(ours))
     profile = None
     if args.profile:

@@ -102,3 +102,15 @@ def _union_ms(intervals: list[tuple[int, int]]) -> float:
             total += hi - end
             end = hi
     return total / 1000
+
+
+def kernel_busy(prof: Any) -> dict[str, Any]:
+    """Seconds some kernel ran (the union of kernel intervals) and time by kernel class."""
+    kernels = [e for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
+    totals = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    for e in kernels:
+        totals[kernel_class(e.name)] += e.time_range.elapsed_us() / 1e6
+    busy = _union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / 1000
+    return {"busy_s": round(busy, 3), "kernels": len(kernels),
+            **{f"{k}_s": round(v, 3) for k, v in totals.items()}}
