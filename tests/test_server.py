@@ -488,6 +488,12 @@ def test_serve_flags_become_engine_options() -> None:
         "skip_ahead", ["aging=0.5"], 9000, True)
     assert engine_options(args) == {"page_size": 8, "cache_type": "naive",
                                     "chunked_prefill": False}
+    gpu = parser.parse_args(["serve", "--device", "cuda", "--attention-backend", "flashinfer",
+                             "--gpu-memory-utilization", "0.5", "--no-cuda-graph",
+                             "--cuda-graph-max-bs", "32"])
+    assert engine_options(gpu) == {"device": "cuda", "attention_backend": "flashinfer",
+                                   "gpu_memory_utilization": 0.5, "cuda_graph": False,
+                                   "cuda_graph_max_bs": 32}
 
 
 # ---- the real engine behind the app (tests/conftest.py: engine_under_test) --------------------

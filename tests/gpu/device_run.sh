@@ -16,6 +16,8 @@ mkdir -p "$aot"
 [ -f .fi-cache/kernels.tar.gz ] && tar xzf .fi-cache/kernels.tar.gz -C "$aot"
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
 [ -d .gpu-assets/tokenizer ] && export ASYNCINFER_TOKENIZER_DIR=$PWD/.gpu-assets/tokenizer
+# The .git that travels can be stale; the caller writes the commit it sends here.
+[ -f .gpu-assets/COMMIT ] && export ASYNCINFER_COMMIT=$(cat .gpu-assets/COMMIT)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null || exit 1
 "$@"
 rc=$?

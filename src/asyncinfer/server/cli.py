@@ -47,6 +47,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     engine.add_argument("--max-seq-len", type=int, default=None,
                         help="longest prompt + output")
     engine.add_argument("--load-format", choices=["auto", "dummy"], default=None)
+    engine.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"],
+                        default=None, help="auto: flashinfer on CUDA when installed")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="share of GPU memory the engine may hold (default 0.9); the KV "
+                             "cache takes what weights and activations leave")
+    engine.add_argument("--no-cuda-graph", action="store_true",
+                        help="run decode eagerly instead of replaying CUDA graphs")
+    engine.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                        help="largest decode batch captured (default: the running limit)")
     engine.add_argument("--no-overlap", action="store_true",
                         help="do not schedule the next batch while one runs")
     serve.set_defaults(func=_serve)

@@ -14,7 +14,8 @@ logger = logging.getLogger(__name__)
 
 # Command-line flag (argparse dest) → engine option; only flags the user gave are passed.
 ENGINE_FLAGS = ("dtype", "device", "page_size", "max_running_requests", "max_extend_tokens",
-                "cache_type", "kv_cache_gb", "max_seq_len", "load_format")
+                "cache_type", "kv_cache_gb", "max_seq_len", "load_format",
+                "attention_backend", "gpu_memory_utilization", "cuda_graph_max_bs")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -23,6 +24,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                if getattr(args, name, None) is not None}
     if getattr(args, "no_chunked_prefill", False):
         options["chunked_prefill"] = False
+    if getattr(args, "no_cuda_graph", False):
+        options["cuda_graph"] = False
     return options
 
 
