@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 @frozen
 class ForwardOutput:
-    """Sampled token per request (CPU), and the float32 logits they came from."""
+    """Sampled token per request (CPU), and the float32 logits they came from (after a CUDA
+    graph replay, a view of the graph's output that the next replay overwrites)."""
 
     next_tokens: torch.Tensor
     logits: torch.Tensor
