@@ -32,18 +32,6 @@ def qwen3_h128_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         bos_token_id=0), tmp_path_factory.mktemp("qwen3-h128"))
 
 
-@pytest.fixture(scope="session")
-def llama_h128_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Llama, 2 layers, 8 query heads over 2 KV heads of 128: tensor-core decode."""
-    from transformers import LlamaConfig
-
-    return _save_tiny(LlamaConfig(
-        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=1,
-        bos_token_id=0), tmp_path_factory.mktemp("llama-h128"))
-
-
 VOCAB = 512
 TRAIN_LEN = 800
 

@@ -67,11 +67,6 @@ def paged_layout(page_table: torch.Tensor, rows: list[int], ends: list[int], pag
                          for a in (indptr, indices, last, lens)))
 
 
-def pin(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Page-locked copy for a non-blocking upload (a no-op off CUDA)."""
-    return tensor.pin_memory() if device.type == "cuda" else tensor
-
-
 @frozen
 class FlashInferMetadata:
     """What every layer of one forward needs: the planned wrapper and each token's KV slot."""

@@ -29,12 +29,12 @@ from asyncinfer.attention.flashinfer_backend import (
     PagedLayout,
     load_flashinfer,
     paged_layout,
-    pin,
 )
 from asyncinfer.config import EngineConfig
 from asyncinfer.engine.batch import Batch
 from asyncinfer.engine.cuda_graph import DecodeGraphs
 from asyncinfer.engine.runner import ForwardOutput, HostInputs, ModelRunner, host_inputs
+from asyncinfer.engine.transfer import pin, upload
 from asyncinfer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -97,17 +97,14 @@ class FlashInferRunner(ModelRunner):
         """The layout as flashinfer's plan wants it without blocking: page indices already
         on the device (it copies host indices synchronously, which would wait for the batch
         in flight), the small arrays it reads on the host in pinned memory."""
-        return PagedLayout(pin(layout.indptr, self.device), self._upload(layout.indices),
+        return PagedLayout(pin(layout.indptr, self.device), upload(layout.indices, self.device),
                            pin(layout.last_page_len, self.device),
                            pin(layout.seq_lens, self.device))
-
-    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
-        return pin(tensor, self.device).to(self.device, non_blocking=True)
 
     def write_prompt(self, row: int, token_ids: Sequence[int]) -> None:
         """Upload a prompt into its token-pool row, in order on the engine stream."""
         with self._on_stream():
-            ids = self._upload(torch.tensor(list(token_ids), dtype=torch.int64))
+            ids = upload(torch.tensor(list(token_ids), dtype=torch.int64), self.device)
             self.token_pool[row, : len(token_ids)].copy_(ids)
 
     def synchronize(self) -> None:
@@ -127,7 +124,7 @@ class FlashInferRunner(ModelRunner):
             logits = (self._decode_graph(batch, host, bs) if bs is not None
                       else self._eager(batch, host))
             tokens = self.sampler.sample(logits, batch.params, batch.steps)
-            self.token_pool.view(-1)[self._upload(host.write_index)] = tokens
+            self.token_pool.view(-1)[upload(host.write_index, self.device)] = tokens
             if self.stream is None:
                 return lambda: ForwardOutput(tokens, logits)
             out = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -153,8 +150,8 @@ class FlashInferRunner(ModelRunner):
             lens = torch.tensor([0, *batch.extend_lens], dtype=torch.int32)
             self.backend.plan_prefill(layout, pin(lens.cumsum(0, dtype=torch.int32),
                                                   self.device))
-        packed = self._upload(torch.cat([host.input_index, host.positions, out_loc,
-                                         host.last_index]))
+        packed = upload(torch.cat([host.input_index, host.positions, out_loc,
+                                   host.last_index]), self.device)
         index, positions, out_loc_dev, last = packed.split(
             [len(host.positions)] * 3 + [batch.size])
         attn = AttentionContext(self.backend, FlashInferMetadata(wrapper, out_loc_dev))

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from asyncinfer.engine.transfer import upload
 from asyncinfer.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -66,16 +67,8 @@ def apply_min_p(probs: Tensor, min_p: Tensor) -> Tensor:
 
 def device_tensor(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
                   device: torch.device) -> Tensor:
-    """A small host list on ``device`` without blocking the host.
-
-    On CUDA the list goes through pinned memory with a non-blocking copy, ordered on the
-    current stream; a plain ``torch.tensor(..., device="cuda")`` would wait for every kernel
-    queued before it, which breaks the overlap of scheduling and compute.
-    """
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    """A small host list on ``device`` without blocking the host (see engine/transfer.py)."""
+    return upload(torch.tensor(values, dtype=dtype), device)
 
 
 def _mix64(x: int) -> int:
