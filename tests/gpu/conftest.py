@@ -69,28 +69,30 @@ def _train_alternation(config: object, path: Path, steps: int = 400) -> Path:
     return path
 
 
+# What the two trained models share: 2 layers, 2 KV heads of 128 (flashinfer's head size).
+_TRAINED_SHAPE = {"vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 512,
+                  "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 128,
+                  "max_position_embeddings": 4096, "eos_token_id": 1, "bos_token_id": 0}
+
+
 @pytest.fixture(scope="session")
 def trained_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen3, 2 layers, 4 query heads over 2 KV heads of 128, trained on alternation."""
+    """Qwen3 with 4 query heads (flashinfer's decode kernel), trained on alternation."""
     from transformers import Qwen3Config
 
-    return _train_alternation(Qwen3Config(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-        max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=1,
-        bos_token_id=0), tmp_path_factory.mktemp("trained-qwen3"))
+    return _train_alternation(
+        Qwen3Config(num_attention_heads=4, tie_word_embeddings=True, **_TRAINED_SHAPE),
+        tmp_path_factory.mktemp("trained-qwen3"))
 
 
 @pytest.fixture(scope="session")
 def trained_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Llama, 2 layers, 8 query heads over 2 KV heads of 128 (tensor-core decode), trained."""
+    """Llama with 8 query heads (tensor-core decode), trained on alternation."""
     from transformers import LlamaConfig
 
-    return _train_alternation(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=1,
-        bos_token_id=0), tmp_path_factory.mktemp("trained-llama"))
+    return _train_alternation(
+        LlamaConfig(num_attention_heads=8, tie_word_embeddings=False, **_TRAINED_SHAPE),
+        tmp_path_factory.mktemp("trained-llama"))
 
 
 def make_chat_model(path: Path, tokenizer_dir: Path) -> Path:

@@ -45,7 +45,6 @@ class DecodeGraphs:
         self.backend, self.forward, self.token_pool = backend, forward, token_pool
         self.device = device
         self.sizes = batch_size_ladder(max_bs)
-        self.max_bs = max_bs
         # inputs[0] token-pool index, inputs[1] position, inputs[2] KV slot, of each row
         self.inputs = torch.zeros(3, max_bs, dtype=torch.int64, device=device)
         self.indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
