@@ -490,10 +490,10 @@ def test_serve_flags_become_engine_options() -> None:
                                     "chunked_prefill": False}
     gpu = parser.parse_args(["serve", "--device", "cuda", "--attention-backend", "flashinfer",
                              "--gpu-memory-utilization", "0.5", "--no-cuda-graph",
-                             "--cuda-graph-max-bs", "32"])
+                             "--cuda-graph-max-bs", "32", "--no-torch-compile"])
     assert engine_options(gpu) == {"device": "cuda", "attention_backend": "flashinfer",
                                    "gpu_memory_utilization": 0.5, "cuda_graph": False,
-                                   "cuda_graph_max_bs": 32}
+                                   "cuda_graph_max_bs": 32, "torch_compile": False}
 
 
 # ---- the real engine behind the app (tests/conftest.py: engine_under_test) --------------------

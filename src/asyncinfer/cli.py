@@ -121,11 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
                          help="default: 0 (greedy) on cpu, 0.6 on gpu as nano-vllm's bench")
     offline.add_argument("--profile", action="store_true",
                          help="gpu: also profile one decode step (attention, matmul, ...)")
+    offline.add_argument("--host-profile", default=None, metavar="FILE",
+                         help="gpu: after the timed run, run again under cProfile and write "
+                              "where the host's time goes to FILE")
     offline.add_argument("--gpu-busy", action="store_true",
                          help="gpu: trace kernels over the run (busy vs wall; slows it)")
     offline.add_argument("--peer-budget", type=float, default=400.0,
                          help="gpu: seconds the transformers peer may run")
     offline.add_argument("--page-size", type=int, default=16)
+    offline.add_argument("--no-torch-compile", action="store_true",
+                         help="gpu: eager elementwise kernels instead of torch.compile's")
     offline.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     offline.add_argument("--peers", default="transformers,vllm",
                          help="comma-separated peers to run beside us ('' for none)")

@@ -98,7 +98,9 @@ class EngineConfig:
     "auto": flashinfer on CUDA when it is installed (and the dtype is not float32, which
     flashinfer has no kernels for), else torch. ``cuda_graph`` captures
     decode at a ladder of batch sizes up to ``cuda_graph_max_bs`` (default: the running
-    limit) with the flashinfer backend; larger batches run eagerly.
+    limit) with the flashinfer backend; larger batches run eagerly. ``torch_compile`` fuses
+    the elementwise work between matrix products (norms, rotary, SiLU, sampling) with
+    torch.compile where that pays: on CUDA in half precision (elsewhere it is ignored).
     ``max_seq_len`` defaults to the model's context, capped at 8192 tokens.
     ``max_extend_tokens`` is the prefill token budget of one round; with ``chunked_prefill``
     a longer prompt is split across rounds, without it such a prompt is refused.
@@ -125,6 +127,7 @@ class EngineConfig:
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     cuda_graph: bool = True
     cuda_graph_max_bs: int | None = field(default=None, validator=_positive)
+    torch_compile: bool = True
 
     def __attrs_post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -164,6 +167,11 @@ class EngineConfig:
     def is_cuda(self) -> bool:
         """Whether the engine runs on a CUDA device."""
         return self.device.startswith("cuda")
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the engine runs its fused layer and sampling ops through torch.compile."""
+        return self.torch_compile and self.is_cuda and self.torch_dtype != torch.float32
 
     @property
     def resolved_attention_backend(self) -> Literal["torch", "flashinfer"]:

@@ -6,7 +6,8 @@
 # It installs the wheels carried in .whl/ (flashinfer-python, apache-tvm-ffi and what the
 # tests need beyond the machine's image) into /tmp/site, restores flashinfer's compiled
 # kernels from .fi-cache/kernels.tar.gz as its AOT kernels (no JIT for those), runs the
-# command, and packs every kernel it has into $OUT/kernels.tar.gz for the next call.
+# command, and packs every kernel it has into $OUT/kernels.tar.gz for the next call;
+# torch.compile's cache travels the same way in .fi-cache/inductor.tar.gz.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -15,6 +16,10 @@ aot=/tmp/site/flashinfer/data/aot
 mkdir -p "$aot"
 [ -f .fi-cache/kernels.tar.gz ] && tar xzf .fi-cache/kernels.tar.gz -C "$aot"
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
+# torch.compile's FX graphs and Triton kernels, kept between calls the same way.
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor TRITON_CACHE_DIR=/tmp/inductor/triton
+mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
+[ -f .fi-cache/inductor.tar.gz ] && tar xzf .fi-cache/inductor.tar.gz -C "$TORCHINDUCTOR_CACHE_DIR"
 [ -d .gpu-assets/tokenizer ] && export ASYNCINFER_TOKENIZER_DIR=$PWD/.gpu-assets/tokenizer
 # The .git that travels can be stale; the caller writes the commit it sends here.
 [ -f .gpu-assets/COMMIT ] && export ASYNCINFER_COMMIT=$(cat .gpu-assets/COMMIT)
@@ -31,5 +36,6 @@ for so in /tmp/fiws/.cache/flashinfer/*/*/cached_ops/*/*.so; do
 done
 if [ -n "${OUT:-}" ]; then
     tar czf "$OUT/kernels.tar.gz" -C "$save" . && ls -la "$OUT/kernels.tar.gz"
+    tar czf "$OUT/inductor.tar.gz" -C "$TORCHINDUCTOR_CACHE_DIR" . && ls -la "$OUT/inductor.tar.gz"
 fi
 exit $rc

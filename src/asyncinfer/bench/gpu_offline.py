@@ -115,6 +115,29 @@ def free_cuda() -> None:
     torch.cuda.empty_cache()
 
 
+def host_profile(llm: Any, prompts: list[list[int]], params: list[Any], path: Path) -> None:
+    """The workload again under cProfile (the coordinator runs on this thread): the host's
+    functions by own time and by cumulative time, written to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler.disable()
+    seconds = time.perf_counter() - start
+    out = io.StringIO()
+    out.write(f"host profile: {seconds:.2f} s under cProfile; {llm.engine.timing()}\n")
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(45)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(out.getvalue())
+    log(f"host profile written to {path} ({seconds:.2f} s under cProfile)")
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -140,7 +163,8 @@ def main(args: Any) -> int:
         "device": args.device, "dtype": args.dtype, "policy": args.policy,
         "max_running_requests": max_running, "page_size": args.page_size,
         "load_format": "dummy" if args.shape else args.load_format, "max_seq_len": 2048,
-        "max_extend_tokens": args.max_extend_tokens or 16384}
+        "max_extend_tokens": args.max_extend_tokens or 16384,
+        "torch_compile": not args.no_torch_compile}
     bandwidth = copy_bandwidth(device)
     floor = bandwidth_floor(model_dir, prompts, max_tokens, bandwidth, max_running)
     log(f"bandwidth floor: {json.dumps(floor)}")
@@ -176,6 +200,8 @@ def main(args: Any) -> int:
             "coordinator": llm.engine.timing(), "batches": llm.engine.stats().batches_decode,
             **({"gpu_busy": busy} if busy else {})}
     log(json.dumps(ours))
+    if args.host_profile:
+        host_profile(llm, prompts, params, Path(args.host_profile))
     profile = None
     if args.profile:
         # Overwrites rows and pages of the (idle) engine: it is closed right after.

@@ -49,8 +49,11 @@ def _step_ms(runner: ModelRunner, batch: Batch, steps: int) -> float:
     return start.elapsed_time(end) / steps
 
 
+@torch.inference_mode()
 def _sampling_ms(runner: ModelRunner, batch: Batch, steps: int = 20) -> float:
-    logits = torch.randn(batch.size, runner.model_config.vocab_size, device=runner.device)
+    logits = torch.randn(batch.size, runner.model_config.vocab_size, device=runner.device,
+                         dtype=runner.logits_dtype)
+    runner.sampler.sample(logits, batch.params, batch.steps)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
@@ -61,8 +64,9 @@ def _sampling_ms(runner: ModelRunner, batch: Batch, steps: int = 20) -> float:
 
 
 def profile_decode_step(runner: ModelRunner, batch_size: int, context: int,
-                        steps: int = 10) -> dict[str, Any]:
-    """Times one decode step (graph replay when captured) and splits its kernel time."""
+                        steps: int = 10, top_kernels: int = 15) -> dict[str, Any]:
+    """Times one decode step (graph replay when captured) and splits its kernel time; lists
+    the ``top_kernels`` kernels that take the most of it."""
     from torch.profiler import ProfilerActivity, profile
 
     params = SamplingParams(temperature=0.6, ignore_eos=True)
@@ -75,8 +79,13 @@ def profile_decode_step(runner: ModelRunner, batch_size: int, context: int,
     kernels = [e for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
     totals = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    by_name: dict[str, list[float]] = {}
     for e in kernels:
         totals[kernel_class(e.name)] += e.time_range.elapsed_us() / 1000
+        entry = by_name.setdefault(e.name, [0.0, 0])
+        entry[0] += e.time_range.elapsed_us()
+        entry[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top_kernels]
     busy_ms = _union_ms([(e.time_range.start, e.time_range.end) for e in kernels])
     sampling = _sampling_ms(runner, batch)
     per_step = {k: round(v / steps, 3) for k, v in totals.items()}
@@ -89,6 +98,9 @@ def profile_decode_step(runner: ModelRunner, batch_size: int, context: int,
             "kernel_ms": per_step, "kernels_busy_ms": round(busy, 3),
             "gaps_ms": round(max(0.0, step_ms - busy), 3),
             "kernels_seen": len(kernels) // steps,
+            "top_kernels": [{"name": name[:100], "class": kernel_class(name),
+                             "us_per_step": round(us / steps, 1), "per_step": n // steps}
+                            for name, (us, n) in top],
             "graph": getattr(runner, "graphs", None) is not None}
 
 

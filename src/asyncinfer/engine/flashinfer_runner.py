@@ -64,7 +64,7 @@ class FlashInferRunner(ModelRunner):
             max_pages = max_bs * (self.width // self.page_size + 1)
             self.graphs = DecodeGraphs(
                 self.backend, lambda ids, pos, attn: self.model.compute_logits(
-                    self.model(ids, pos, attn)),
+                    self.model(ids, pos, attn), upcast=self.logits_dtype == torch.float32),
                 self.token_pool, max_bs, max_pages, self.device)
             with self._on_stream():
                 self.graphs.capture(self._dummy_layout)
@@ -156,7 +156,8 @@ class FlashInferRunner(ModelRunner):
             [len(host.positions)] * 3 + [batch.size])
         attn = AttentionContext(self.backend, FlashInferMetadata(wrapper, out_loc_dev))
         hidden = self.model(self.token_pool.view(-1)[index], positions, attn)
-        return self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(hidden[last],
+                                         upcast=self.logits_dtype == torch.float32)
 
     def _decode_graph(self, batch: Batch, host: HostInputs, bs: int) -> torch.Tensor:
         assert self.graphs is not None

@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 @frozen
 class ForwardOutput:
-    """Sampled token per request (CPU), and the float32 logits they came from (after a CUDA
-    graph replay, a view of the graph's output that the next replay overwrites)."""
+    """Sampled token per request (CPU), and the logits they came from: float32, or the
+    model's dtype on the compiled CUDA path (``ModelRunner.logits_dtype``); after a CUDA
+    graph replay, a view of the graph's output that the next replay overwrites."""
 
     next_tokens: torch.Tensor
     logits: torch.Tensor
@@ -66,12 +67,19 @@ class ModelRunner:
         self.token_pool = torch.zeros(self.max_rows + 1, self.width, dtype=torch.int64,
                                       device=self.device)
         self.backend = self._make_backend()
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, compile=config.compiles)
+        self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
         logger.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB)%s", self.num_pages,
                     page, self.num_pages * page,
                     self.num_pages * page * cfg.kv_bytes_per_token(self.kv_dtype) / 2**30,
                     "; float32 kernels for half-precision values" if config.fp32_kernels
                     else "")
+
+    @property
+    def logits_dtype(self) -> torch.dtype:
+        """What the sampler gets: float32, or the model's dtype where a compiled sampler
+        widens the logits itself as it reads them (one pass less over [B, vocab])."""
+        return self.dtype if self.config.compiles else torch.float32
 
     # Hooks a subclass for another attention backend overrides.
     extra_pages = 0                                   # pages beyond those the scheduler owns
@@ -98,6 +106,8 @@ class ModelRunner:
         model.to(device=self.device, dtype=self.dtype).eval()
         if self.config.fp32_kernels:
             model.use_fp32_shadow()
+        if self.config.compiles:
+            model.compile_layer_ops()
         return model
 
     def _pages_from_budget(self) -> int:
@@ -137,7 +147,8 @@ class ModelRunner:
         attn = AttentionContext(self.backend,
                                 self.backend.prepare(batch, index // self.width, positions))
         hidden = self.model(input_ids, positions, attn)
-        logits = self.model.compute_logits(hidden[host.last_index.to(self.device)])
+        logits = self.model.compute_logits(hidden[host.last_index.to(self.device)],
+                                           upcast=self.logits_dtype == torch.float32)
         next_tokens = self.sampler.sample(logits, batch.params, batch.steps)
         self.token_pool.view(-1)[host.write_index.to(self.device)] = next_tokens
         return ForwardOutput(next_tokens.cpu(), logits)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -87,16 +88,77 @@ def request_seed(seed: int, step: int) -> int:
     return _mix64((_mix64(seed & _MASK64) + step) & _MASK64)
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """Low 32 bits of ``x * c`` for ``0 <= x, c < 2**32``, with no int64 product over 2**49
+    (signed overflow is not something to lean on across CPU and GPU kernels)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """A bijective 32-bit integer mixer (xorshift-multiply, "lowbias32" constants)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(keys: Tensor, vocab: int) -> Tensor:
+    """Gumbel noise [B, vocab] (float32), a pure function of each row's 64-bit key.
+
+    Counter-based, so the same on every device and whatever else is in the batch: column c
+    of a row hashes (c, key) to 23 uniform bits u in (0, 1), and the noise is -log(-log u).
+    ``keys`` are int64 [B] (the two's-complement form of unsigned 64-bit keys).
+    """
+    lo = (keys & _M32).unsqueeze(-1)
+    hi = ((keys >> 32) & _M32).unsqueeze(-1)
+    cols = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    bits = _hash32(_hash32((cols + lo) & _M32) ^ hi)
+    uniform = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(-torch.log(uniform))
+
+
+def race(logits: Tensor, inv_temperature: Tensor, keys: Tensor) -> Tensor:
+    """One token per row: ``argmax(logits / T + Gumbel)``, a draw from ``softmax(logits / T)``;
+    rows with ``inv_temperature == 0`` take the plain argmax (greedy).
+
+    One pass over the logits with nothing materialised: ``torch.compile`` makes it a single
+    reduction kernel on CUDA.
+    """
+    scaled = logits.float() * inv_temperature.unsqueeze(-1)
+    noisy = scaled + gumbel_noise(keys, logits.shape[-1])
+    greedy = (inv_temperature == 0).unsqueeze(-1)
+    return torch.where(greedy, logits.float(), noisy).argmax(dim=-1)
+
+
+def race_filtered(probs: Tensor, keys: Tensor) -> Tensor:
+    """One token per row of filtered probabilities: ``argmax(log p + Gumbel)``; tokens the
+    filters removed (p = 0) can never win."""
+    return (probs.log() + gumbel_noise(keys, probs.shape[-1])).argmax(dim=-1)
+
+
 class Sampler:
     """Picks one token per row of a logits batch, following each request's SamplingParams.
 
-    Greedy rows take the argmax; the others are drawn by the exponential race
-    ``argmax(probs / E)``, ``E ~ Exp(1)``, with E from the request's own stream when seeded.
+    Greedy rows take the argmax. The others are drawn by the Gumbel-max trick,
+    ``argmax(log p + G)``, with the noise G a function of a 64-bit key per row and token:
+    a seeded request's key comes from its seed and step alone (``request_seed``), so it
+    samples the same tokens whatever shares its batch; an unseeded row's key is drawn from
+    the sampler's own generator (``seed``), the same on every rank that runs the same
+    batches. Batches without top-k/top-p/min-p take one fused pass (``race``), compiled
+    when ``compile`` is set.
     """
 
-    def __init__(self, seed: int = 0) -> None:
-        self._seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
+    def __init__(self, seed: int = 0, compile: bool = False, backend: str = "inductor") -> None:
+        self._keys = np.random.Generator(np.random.PCG64(seed & _MASK64))
+        self._race = race
+        if compile:
+            from asyncinfer.layers.fused import compiled
+
+            self._race = compiled(race, backend)
 
     def sample(
         self, logits: Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
@@ -107,20 +169,47 @@ class Sampler:
         """
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
         assert logits.shape[0] == len(params) == len(steps), "one params and step per row"
-        logits = logits.float()
+        device, vocab = logits.device, logits.shape[-1]
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
-            return logits.argmax(dim=-1)
+            return logits.float().argmax(dim=-1)
+        if not any(_filters(p, vocab) for p in params):
+            inv_temperature = [0.0 if p.greedy else 1.0 / p.temperature for p in params]
+            return self._race(logits, device_tensor(inv_temperature, torch.float32, device),
+                              self._row_keys(params, steps, device))
         chosen = [params[i] for i in rows]
+        keys = self._row_keys(chosen, [steps[i] for i in rows], device)
+        logits = logits.float()
         if len(rows) == len(params):  # every row samples: no gather, no scatter
-            probs = self._filtered_probs(logits, chosen)
-            return (probs / self._exponential_noise(probs, chosen, steps)).argmax(dim=-1)
+            return race_filtered(self._filtered_probs(logits, chosen), keys)
         tokens = logits.argmax(dim=-1)
-        index = device_tensor(rows, torch.int64, logits.device)
-        probs = self._filtered_probs(logits[index], chosen)
-        noise = self._exponential_noise(probs, chosen, [steps[i] for i in rows])
-        tokens[index] = (probs / noise).argmax(dim=-1)
+        index = device_tensor(rows, torch.int64, device)
+        tokens[index] = race_filtered(self._filtered_probs(logits[index], chosen), keys)
         return tokens
+
+    @torch.inference_mode()
+    def warm_up(self, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Compile the fused pass for any batch size (dynamic) and for 1, before serving."""
+        if self._race is race:
+            return
+        for rows in (2, 1):
+            tensors = (torch.zeros(rows, vocab, dtype=dtype, device=device),
+                       torch.ones(rows, device=device),
+                       torch.zeros(rows, dtype=torch.int64, device=device))
+            if rows > 1:
+                for t in tensors:
+                    torch._dynamo.mark_dynamic(t, 0)
+            self._race(*tensors)
+
+    def _row_keys(self, params: Sequence[SamplingParams], steps: Sequence[int],
+                  device: torch.device) -> Tensor:
+        """Each row's noise key: from its seed and step if seeded, else a fresh draw."""
+        keys = self._keys.integers(-(2**63), 2**63, size=len(params), dtype=np.int64)
+        for i, (p, step) in enumerate(zip(params, steps, strict=True)):
+            if p.seed is not None:
+                key = request_seed(p.seed, step)
+                keys[i] = key - (1 << 64) if key >= 1 << 63 else key
+        return upload(torch.from_numpy(keys), device)
 
     def _filtered_probs(self, logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
         device, vocab = logits.device, logits.shape[-1]
@@ -137,27 +226,7 @@ class Sampler:
             probs = apply_min_p(probs, min_p)
         return probs
 
-    def _exponential_noise(
-        self, probs: Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
-    ) -> Tensor:
-        device, vocab = probs.device, probs.shape[-1]
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            draws = torch.empty(len(unseeded), vocab, device=device)
-            draws.exponential_(generator=self._generator(device))
-            noise[device_tensor(unseeded, torch.int64, device)] = draws
-        for i, (p, step) in enumerate(zip(params, steps, strict=True)):
-            if p.seed is not None:
-                generator = torch.Generator(device=device)
-                generator.manual_seed(request_seed(p.seed, step))
-                noise[i] = torch.empty(vocab, device=device).exponential_(generator=generator)
-        # A zero draw would turn p / E into 0 / 0 = NaN, which argmax would pick.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(self._seed)
-            self._generators[device] = generator
-        return self._generators[device]
+def _filters(p: SamplingParams, vocab: int) -> bool:
+    """Whether a sampled row needs its probabilities filtered (top-k, top-p or min-p)."""
+    return not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0)

@@ -34,7 +34,10 @@ class Linear(nn.Module):
 
 
 class MergedLinear(Linear):
-    """One matmul for several projections of the same input; ``load(i, w)`` fills part i."""
+    """One matmul for several projections of the same input; ``load(i, w)`` fills part i.
+
+    The output stays fused, [..., sum(sizes)]: the caller splits it where it uses it.
+    """
 
     def __init__(self, in_features: int, out_features: list[int], bias: bool = False) -> None:
         super().__init__(in_features, sum(out_features), bias)
@@ -49,6 +52,3 @@ class MergedLinear(Linear):
         assert weight.shape[0] == size, f"part {part}: {tuple(weight.shape)} vs {size} rows"
         with torch.no_grad():
             target[start : start + size].copy_(weight)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return super().forward(x).split(self.sizes, dim=-1)

@@ -46,13 +46,3 @@ class RotaryTables(NamedTuple):
 
     cos: torch.Tensor
     sin: torch.Tensor
-
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, dim], k: [T, kv_heads, dim]."""
-        cos, sin = self.cos, self.sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

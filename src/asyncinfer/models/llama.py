@@ -13,6 +13,7 @@ from torch.nn import functional as F
 
 from asyncinfer.attention.base import AttentionContext
 from asyncinfer.config import ModelConfig
+from asyncinfer.layers.fused import LayerOps
 from asyncinfer.layers.linear import Linear, MergedLinear
 from asyncinfer.layers.norm import RMSNorm
 from asyncinfer.layers.rotary import RotaryEmbedding, RotaryTables
@@ -25,6 +26,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
                                      bias=cfg.attention_bias)
@@ -32,16 +34,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
-    def forward(
-        self, x: torch.Tensor, rotary: RotaryTables, attn: AttentionContext
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x)
-        q = q.view(-1, self.heads, self.head_dim)
-        k = k.view(-1, self.kv_heads, self.head_dim)
-        v = v.view(-1, self.kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.rotate(q, k)
+    def forward(self, x: torch.Tensor, rotary: RotaryTables, attn: AttentionContext,
+                ops: LayerOps) -> torch.Tensor:
+        q, k, v = ops.qk_norm_rope(
+            self.qkv_proj(x), rotary.cos, rotary.sin,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            self.eps, self.heads, self.kv_heads, self.head_dim)
         return self.o_proj(attn(self.layer, q, k, v))
 
 
@@ -53,13 +52,17 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each with a residual connection."""
+    """Pre-norm attention and MLP, each with a residual connection.
+
+    The residual stream is carried beside the hidden state so that each residual add is
+    fused with the norm that follows it: a layer takes (the previous layer's MLP output,
+    the stream before that add) and returns the same pair.
+    """
 
     def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool) -> None:
         super().__init__()
@@ -68,11 +71,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, rotary: RotaryTables, attn: AttentionContext
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryTables,
+                attn: AttentionContext, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = self.input_layernorm
+        if residual is None:  # the first layer: the embeddings are the stream
+            h, residual = ops.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, rotary, attn, ops)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h, ops), residual
 
 
 # checkpoint name fragment -> (our fused module, part index)
@@ -98,6 +107,13 @@ class LlamaForCausalLM(nn.Module):
         self.tied_shadow: torch.Tensor | None = None
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size))
+        self.ops = LayerOps()
+
+    def compile_layer_ops(self, backend: str = "inductor") -> None:
+        """Run the work between matrix products through torch.compile (see layers.fused),
+        compiling each function now, not on the first request."""
+        self.ops = LayerOps(compile=True, backend=backend)
+        self.ops.warm_up(self.layers[0], self.rotary, self.embed_tokens.weight)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
@@ -105,18 +121,24 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] of every computed token."""
         x = self.embed_tokens(input_ids)
         rotary = self.rotary.lookup(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, rotary, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotary, attn, self.ops)
+        if residual is None:
+            return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the vocabulary, in float32."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Logits over the vocabulary, in float32 (``upcast=False``: in the model's dtype,
+        for a sampler that widens them as it reads them)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.tied_shadow is not None:
+            logits = self.lm_head(hidden)
+        elif self.tied_shadow is not None:
             # Rounded as a native half-precision GEMM would round it.
-            return F.linear(hidden.float(), self.tied_shadow).to(hidden.dtype).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+            logits = F.linear(hidden.float(), self.tied_shadow).to(hidden.dtype)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        return logits.float() if upcast else logits
 
     def use_fp32_shadow(self) -> None:
         """Run every matrix product in float32 over a copy of the weights (see layers.linear)."""

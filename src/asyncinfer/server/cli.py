@@ -56,6 +56,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="run decode eagerly instead of replaying CUDA graphs")
     engine.add_argument("--cuda-graph-max-bs", type=int, default=None,
                         help="largest decode batch captured (default: the running limit)")
+    engine.add_argument("--no-torch-compile", action="store_true",
+                        help="run norms, rotary, SiLU and sampling as separate eager kernels "
+                             "instead of torch.compile's fused ones (CUDA, half precision)")
     engine.add_argument("--no-overlap", action="store_true",
                         help="do not schedule the next batch while one runs")
     serve.set_defaults(func=_serve)

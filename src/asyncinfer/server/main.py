@@ -26,6 +26,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["chunked_prefill"] = False
     if getattr(args, "no_cuda_graph", False):
         options["cuda_graph"] = False
+    if getattr(args, "no_torch_compile", False):
+        options["torch_compile"] = False
     return options
 
 
