@@ -7,15 +7,18 @@ from typing import Any, Protocol
 import torch
 
 from asyncinfer.engine.batch import Batch
+from asyncinfer.kvcache.pool import KVPool
 
 
 class AttentionKernel(Protocol):
     """Runs attention for one layer over the paged KV pool, given a batch's metadata."""
 
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any
-    ) -> torch.Tensor:
-        """Store the new k, v and attend: q [T, heads, dim] -> [T, heads * dim]."""
+    pool: KVPool
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: Any, stored: bool = False) -> torch.Tensor:
+        """Store the new k, v (unless ``stored``: the caller wrote them to
+        ``meta.out_loc``) and attend: q [T, heads, dim] -> [T, heads * dim]."""
         ...
 
 
@@ -35,7 +38,13 @@ class AttentionContext:
         self.backend = backend
         self.meta = meta
 
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        return self.backend.forward(layer, q, k, v, self.meta)
+    def kv_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's K and V caches and each new token's slot in them, for a model that
+        writes the new K, V itself (in the kernel that produces them) and then calls with
+        ``stored=True``."""
+        pool = self.backend.pool
+        return pool.k[layer], pool.v[layer], self.meta.out_loc
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 stored: bool = False) -> torch.Tensor:
+        return self.backend.forward(layer, q, k, v, self.meta, stored)

@@ -141,8 +141,10 @@ class FlashInferBackend:
             self._plan_events[id(wrapper)] = event
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: FlashInferMetadata) -> torch.Tensor:
-        """Store the new K, V at their slots, then attend over each request's pages."""
-        self.pool.store(layer, meta.out_loc, k, v)
+                meta: FlashInferMetadata, stored: bool = False) -> torch.Tensor:
+        """Store the new K, V at their slots (unless ``stored``), then attend over each
+        request's pages."""
+        if not stored:
+            self.pool.store(layer, meta.out_loc, k, v)
         out = meta.wrapper.run(q.contiguous(), self._pages[layer])
         return out.view(q.shape[0], -1)

@@ -85,10 +85,12 @@ class TorchBackend:
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        meta: TorchMetadata,
+        meta: TorchMetadata, stored: bool = False,
     ) -> torch.Tensor:
-        """Store k, v at their slots, then attend causally over each request's whole prefix."""
-        self.pool.store(layer, meta.out_loc, k, v)
+        """Store k, v at their slots (unless ``stored``), then attend causally over each
+        request's whole prefix."""
+        if not stored:
+            self.pool.store(layer, meta.out_loc, k, v)
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
         out_dtype, dtype = q.dtype, k_pool.dtype
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)

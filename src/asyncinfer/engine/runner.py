@@ -58,6 +58,8 @@ class ModelRunner:
         self.num_pages = config.num_pages or self._pages_from_budget()
         self.pool = KVPool(cfg.num_layers, self.num_pages + self.extra_pages, page,
                            cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
+        if config.compiles:
+            self.model.compile_layer_ops(self.pool)
         self.max_rows = config.max_running_requests
         # Whole pages per row, plus one column so a sampled token always has a place.
         self.width = -(-self.context_len // page) * page + 1
@@ -106,8 +108,6 @@ class ModelRunner:
         model.to(device=self.device, dtype=self.dtype).eval()
         if self.config.fp32_kernels:
             model.use_fp32_shadow()
-        if self.config.compiles:
-            model.compile_layer_ops()
         return model
 
     def _pages_from_budget(self) -> int:

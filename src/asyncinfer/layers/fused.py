@@ -6,8 +6,9 @@ one to ``torch.compile``, which fuses it into a kernel or two: a layer then runs
 dozen kernels instead of about thirty (rotary alone was ten), and a decode step is bound by
 memory traffic rather than by the count of tiny kernels.
 
-The KV store and attention stay outside: they write the page pool, which a compiled
-function must not take as an input it mutates.
+The new K and V are written to the page pool by the same function that rotates them
+(``qk_norm_rope_store``): inductor turns the assignment into a scatter inside that kernel,
+in place, as it does for gpt-fast's static caches. Attention itself stays outside.
 """
 
 from __future__ import annotations
@@ -66,6 +67,19 @@ def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None,
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 
+def qk_norm_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None,
+                       k_weight: Tensor | None, eps: float, heads: int, kv_heads: int,
+                       head_dim: int, k_cache: Tensor, v_cache: Tensor,
+                       slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``qk_norm_rope``, then the new k and v written to their ``slots`` of the layer's
+    caches [slots, kv_heads, dim] (widened if the cache is): one kernel where compiled,
+    instead of a norm-and-rotate kernel and two scatter kernels."""
+    q, k, v = qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, heads, kv_heads, head_dim)
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = v.to(v_cache.dtype)
+    return q, k, v
+
+
 def silu_mul(gate_up: Tensor) -> Tensor:
     """SwiGLU's activation: ``silu(gate) * up`` of the fused [T, 2 * inter] product."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -101,13 +115,15 @@ class LayerOps:
             (lambda fn: compiled(fn, backend)) if compile else (lambda fn: fn))
         self.rms_norm = wrap(rms_norm)
         self.add_rms_norm = wrap(add_rms_norm)
-        self.qk_norm_rope = wrap(qk_norm_rope)
+        self.qk_norm_rope_store = wrap(qk_norm_rope_store)
         self.silu_mul = wrap(silu_mul)
 
     @torch.inference_mode()
-    def warm_up(self, layer: Any, rotary: Any, embedding: Tensor) -> None:
+    def warm_up(self, layer: Any, rotary: Any, embedding: Tensor, k_cache: Tensor,
+                v_cache: Tensor) -> None:
         """Compile every function for the token counts it will see: any count (dynamic),
-        and 1, which torch.compile specializes. ``layer`` is a DecoderLayer of the model."""
+        and 1, which torch.compile specializes. ``layer`` is a DecoderLayer of the model;
+        the caches are a layer's of the (still empty) pool: slot 0 is written."""
         attn = layer.self_attn
         hidden, dtype, device = embedding.shape[1], embedding.dtype, embedding.device
         qkv_width = (attn.heads + 2 * attn.kv_heads) * attn.head_dim
@@ -119,8 +135,9 @@ class LayerOps:
             x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
             qkv = torch.zeros(tokens, qkv_width, dtype=dtype, device=device)
             gate_up = torch.zeros(tokens, 2 * inter, dtype=dtype, device=device)
+            slots = torch.zeros(tokens, dtype=torch.int64, device=device)
             if tokens > 1:
-                for t in (x, qkv, gate_up):
+                for t in (x, qkv, gate_up, slots):
                     torch._dynamo.mark_dynamic(t, 0)
             tables = rotary.lookup(torch.zeros(tokens, dtype=torch.int64, device=device),
                                    dtype)
@@ -129,6 +146,7 @@ class LayerOps:
                     torch._dynamo.mark_dynamic(t, 0)
             self.rms_norm(x, norm.weight, norm.eps)
             self.add_rms_norm(x, x, norm.weight, norm.eps)
-            self.qk_norm_rope(qkv, tables.cos, tables.sin, q_w, k_w, attn.eps, attn.heads,
-                              attn.kv_heads, attn.head_dim)
+            self.qk_norm_rope_store(qkv, tables.cos, tables.sin, q_w, k_w, attn.eps,
+                                    attn.heads, attn.kv_heads, attn.head_dim, k_cache,
+                                    v_cache, slots)
             self.silu_mul(gate_up)

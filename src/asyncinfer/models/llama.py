@@ -13,6 +13,7 @@ from torch.nn import functional as F
 
 from asyncinfer.attention.base import AttentionContext
 from asyncinfer.config import ModelConfig
+from asyncinfer.kvcache.pool import KVPool
 from asyncinfer.layers.fused import LayerOps
 from asyncinfer.layers.linear import Linear, MergedLinear
 from asyncinfer.layers.norm import RMSNorm
@@ -36,12 +37,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: RotaryTables, attn: AttentionContext,
                 ops: LayerOps) -> torch.Tensor:
-        q, k, v = ops.qk_norm_rope(
+        q, k, v = ops.qk_norm_rope_store(
             self.qkv_proj(x), rotary.cos, rotary.sin,
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
-            self.eps, self.heads, self.kv_heads, self.head_dim)
-        return self.o_proj(attn(self.layer, q, k, v))
+            self.eps, self.heads, self.kv_heads, self.head_dim, *attn.kv_slots(self.layer))
+        return self.o_proj(attn(self.layer, q, k, v, stored=True))
 
 
 class MLP(nn.Module):
@@ -109,11 +110,13 @@ class LlamaForCausalLM(nn.Module):
                         else Linear(cfg.hidden_size, cfg.vocab_size))
         self.ops = LayerOps()
 
-    def compile_layer_ops(self, backend: str = "inductor") -> None:
+    def compile_layer_ops(self, pool: KVPool, backend: str = "inductor") -> None:
         """Run the work between matrix products through torch.compile (see layers.fused),
-        compiling each function now, not on the first request."""
+        compiling each function now, not on the first request (``pool``: the KV pool, still
+        empty)."""
         self.ops = LayerOps(compile=True, backend=backend)
-        self.ops.warm_up(self.layers[0], self.rotary, self.embed_tokens.weight)
+        self.ops.warm_up(self.layers[0], self.rotary, self.embed_tokens.weight, pool.k[0],
+                         pool.v[0])
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
