@@ -8,6 +8,7 @@ to the device without blocking, once per batch, and every layer reuses the plan.
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 from typing import Any
 
@@ -89,8 +90,11 @@ class FlashInferBackend:
         self.fi, self.pool, self.device, self.dtype = flashinfer, pool, device, dtype
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        # Tensor cores pay off once several query heads share a KV head (as in SGLang).
-        self.decode_tensor_cores = num_heads // num_kv_heads >= 4
+        # Tensor cores pay off once several query heads share a KV head (as in SGLang);
+        # ASYNCINFER_DECODE_TENSOR_CORES=1/0 overrides that, for measuring both.
+        forced = os.environ.get("ASYNCINFER_DECODE_TENSOR_CORES")
+        self.decode_tensor_cores = (forced == "1" if forced in ("0", "1")
+                                    else num_heads // num_kv_heads >= 4)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend="fa2")
