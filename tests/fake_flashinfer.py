@@ -84,6 +84,17 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
              **options: Any) -> None:
         self.sm_scale = options.get("sm_scale") or head_dim**-0.5
         self._store(indptr, indices, last_page_len, page_size)
+        _check_lengths(options.get("seq_lens"), indptr, last_page_len, page_size)
+
+
+def _check_lengths(seq_lens: torch.Tensor | None, indptr: torch.Tensor,
+                   last_page_len: torch.Tensor, page_size: int) -> None:
+    """The KV lengths handed to plan agree with the paged layout, and survive what flashinfer
+    does with them on the host: ``max(seq_lens.cpu()).item()`` (decode.py, prefill.py)."""
+    assert seq_lens is not None, "plan needs seq_lens (flashinfer recomputes them otherwise)"
+    expected = (indptr[1:] - indptr[:-1] - 1) * page_size + last_page_len
+    assert torch.equal(seq_lens.cpu().flatten().long(), expected.long())
+    assert max(seq_lens.cpu()).item() == int(expected.max())
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
@@ -96,3 +107,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         self.sm_scale = options.get("sm_scale") or head_dim_qk**-0.5
         self.qo_indptr = qo_indptr.clone()
         self._store(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
+        _check_lengths(options.get("seq_lens"), paged_kv_indptr, paged_kv_last_page_len,
+                       page_size)
+        # flashinfer's own host arithmetic on the query offsets (prefill.py)
+        host = qo_indptr.to("cpu")
+        assert max(host[1:] - host[:-1]).item() == int((host[1:] - host[:-1]).max())

@@ -12,7 +12,7 @@ import torch
 
 import tests.fake_flashinfer as fake_flashinfer
 from asyncinfer.api import LLM
-from asyncinfer.attention.flashinfer_backend import load_flashinfer, paged_layout
+from asyncinfer.attention.flashinfer_backend import host_lengths, load_flashinfer, paged_layout
 from asyncinfer.engine.cuda_graph import batch_size_ladder
 from asyncinfer.engine.flashinfer_runner import FlashInferRunner
 from asyncinfer.errors import ConfigError
@@ -93,3 +93,13 @@ def test_chunked_extend_over_cached_prefixes(tiny_llama_dir: Path, overlap: bool
         assert got == expected
     llm.scheduler.check_invariants()
     assert llm.runner.scratch_page == llm.runner.num_pages
+
+
+def test_host_lengths_iterate_as_numpy_and_stay_tensors() -> None:
+    lens = torch.tensor([5, 900, 3], dtype=torch.int32)
+    fast = host_lengths(lens)
+    assert isinstance(fast, torch.Tensor) and fast.data_ptr() == lens.data_ptr()
+    # What flashinfer's plan does with them on the host.
+    assert max(fast.cpu()).item() == 900
+    assert max(fast.to("cpu")[1:] - fast.to("cpu")[:-1]).item() == 895
+    assert torch.equal(fast.cpu().flatten(), lens)
