@@ -53,19 +53,20 @@ def paged_layout(page_table: torch.Tensor, rows: list[int], ends: list[int], pag
     """
     lens = np.asarray(ends, np.int64)
     counts = (lens + page_size - 1) // page_size
+    width = int(counts.max())
     # Every page_size-th slot of a row, divided by page_size, is the row's page list.
-    pages = page_table.numpy()[np.asarray(rows)[:, None],
-                               np.arange(0, int(counts.max()) * page_size, page_size)]
-    indices = pages[np.arange(pages.shape[1])[None, :] < counts[:, None]] // page_size
+    pages = page_table.numpy()[:, ::page_size][np.asarray(rows), :width]
+    indices = pages[np.arange(width) < counts[:, None]] // page_size
     if pad_to is not None and pad_to > len(rows):
         extra = pad_to - len(rows)
         indices = np.concatenate([indices, np.full(extra, pad_page, np.int64)])
         counts = np.concatenate([counts, np.ones(extra, np.int64)])
         lens = np.concatenate([lens, np.ones(extra, np.int64)])
-    indptr = np.concatenate([[0], np.cumsum(counts)])
+    indptr = np.zeros(len(counts) + 1, np.int32)
+    np.cumsum(counts, out=indptr[1:])
     last = lens - (counts - 1) * page_size
-    return PagedLayout(*(torch.from_numpy(a.astype(np.int32))
-                         for a in (indptr, indices, last, lens)))
+    return PagedLayout(torch.from_numpy(indptr),
+                       *(torch.from_numpy(a.astype(np.int32)) for a in (indices, last, lens)))
 
 
 def _decode_tensor_cores(group: int, device: torch.device) -> bool:
