@@ -72,8 +72,9 @@ def qk_norm_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor |
                        head_dim: int, k_cache: Tensor, v_cache: Tensor,
                        slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``qk_norm_rope``, then the new k and v written to their ``slots`` of the layer's
-    caches [slots, kv_heads, dim] (widened if the cache is): one kernel where compiled,
-    instead of a norm-and-rotate kernel and two scatter kernels."""
+    caches [slots, kv_heads, dim] (widened if the cache is). Compiled, the K write happens
+    in the kernel that norms and rotates k, and V's is one small kernel: three kernels
+    where eager Qwen3 ran about fourteen."""
     q, k, v = qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, heads, kv_heads, head_dim)
     k_cache[slots] = k.to(k_cache.dtype)
     v_cache[slots] = v.to(v_cache.dtype)
