@@ -16,9 +16,9 @@ class AttentionKernel(Protocol):
     pool: KVPool
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: Any, stored: bool = False) -> torch.Tensor:
-        """Store the new k, v (unless ``stored``: the caller wrote them to
-        ``meta.out_loc``) and attend: q [T, heads, dim] -> [T, heads * dim]."""
+                meta: Any) -> torch.Tensor:
+        """Attend: q [T, heads, dim] -> [T, heads * dim]. The new k, v are already in the
+        pool at ``meta.out_loc`` (the model writes them: ``AttentionContext.kv_slots``)."""
         ...
 
 
@@ -39,12 +39,11 @@ class AttentionContext:
         self.meta = meta
 
     def kv_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer's K and V caches and each new token's slot in them, for a model that
-        writes the new K, V itself (in the kernel that produces them) and then calls with
-        ``stored=True``."""
+        """The layer's K and V caches and each new token's slot in them: the model writes
+        the new K, V there (in the kernel that produces them) before it attends."""
         pool = self.backend.pool
         return pool.k[layer], pool.v[layer], self.meta.out_loc
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 stored: bool = False) -> torch.Tensor:
-        return self.backend.forward(layer, q, k, v, self.meta, stored)
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        return self.backend.forward(layer, q, k, v, self.meta)

@@ -178,10 +178,7 @@ class FlashInferBackend:
             self._plan_events[id(wrapper)] = event
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: FlashInferMetadata, stored: bool = False) -> torch.Tensor:
-        """Store the new K, V at their slots (unless ``stored``), then attend over each
-        request's pages."""
-        if not stored:
-            self.pool.store(layer, meta.out_loc, k, v)
+                meta: FlashInferMetadata) -> torch.Tensor:
+        """Attend over each request's pages (the new K, V are already in them)."""
         out = meta.wrapper.run(q.contiguous(), self._pages[layer])
         return out.view(q.shape[0], -1)

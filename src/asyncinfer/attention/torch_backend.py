@@ -85,12 +85,10 @@ class TorchBackend:
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        meta: TorchMetadata, stored: bool = False,
+        meta: TorchMetadata,
     ) -> torch.Tensor:
-        """Store k, v at their slots (unless ``stored``), then attend causally over each
-        request's whole prefix."""
-        if not stored:
-            self.pool.store(layer, meta.out_loc, k, v)
+        """Attend causally over each request's whole prefix (the new k, v are already in
+        the pool; a prompt with nothing cached attends over the fresh k, v directly)."""
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
         out_dtype, dtype = q.dtype, k_pool.dtype
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)

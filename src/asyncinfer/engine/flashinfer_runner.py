@@ -63,8 +63,7 @@ class FlashInferRunner(ModelRunner):
             max_bs = min(config.cuda_graph_max_bs or self.max_rows, self.max_rows)
             max_pages = max_bs * (self.width // self.page_size + 1)
             self.graphs = DecodeGraphs(
-                self.backend, lambda ids, pos, attn: self.model.compute_logits(
-                    self.model(ids, pos, attn), upcast=self.logits_dtype == torch.float32),
+                self.backend, lambda ids, pos, attn: self.logits(self.model(ids, pos, attn)),
                 self.token_pool, max_bs, max_pages, self.device)
             with self._on_stream():
                 self.graphs.capture(self._dummy_layout)
@@ -156,8 +155,7 @@ class FlashInferRunner(ModelRunner):
             [len(host.positions)] * 3 + [batch.size])
         attn = AttentionContext(self.backend, FlashInferMetadata(wrapper, out_loc_dev))
         hidden = self.model(self.token_pool.view(-1)[index], positions, attn)
-        return self.model.compute_logits(hidden[last],
-                                         upcast=self.logits_dtype == torch.float32)
+        return self.logits(hidden[last])
 
     def _decode_graph(self, batch: Batch, host: HostInputs, bs: int) -> torch.Tensor:
         assert self.graphs is not None

@@ -83,6 +83,10 @@ class ModelRunner:
         widens the logits itself as it reads them (one pass less over [B, vocab])."""
         return self.dtype if self.config.compiles else torch.float32
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits for ``hidden``, in ``logits_dtype``."""
+        return self.model.compute_logits(hidden, upcast=self.logits_dtype == torch.float32)
+
     # Hooks a subclass for another attention backend overrides.
     extra_pages = 0                                   # pages beyond those the scheduler owns
 
@@ -147,8 +151,7 @@ class ModelRunner:
         attn = AttentionContext(self.backend,
                                 self.backend.prepare(batch, index // self.width, positions))
         hidden = self.model(input_ids, positions, attn)
-        logits = self.model.compute_logits(hidden[host.last_index.to(self.device)],
-                                           upcast=self.logits_dtype == torch.float32)
+        logits = self.logits(hidden[host.last_index.to(self.device)])
         next_tokens = self.sampler.sample(logits, batch.params, batch.steps)
         self.token_pool.view(-1)[host.write_index.to(self.device)] = next_tokens
         return ForwardOutput(next_tokens.cpu(), logits)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from asyncinfer.engine.transfer import upload
+from asyncinfer.layers.fused import WARM_UP_ROWS, compiled, dynamic_rows
 from asyncinfer.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -156,8 +157,6 @@ class Sampler:
         self._keys = np.random.Generator(np.random.PCG64(seed & _MASK64))
         self._race = race
         if compile:
-            from asyncinfer.layers.fused import compiled
-
             self._race = compiled(race, backend)
 
     def sample(
@@ -192,14 +191,10 @@ class Sampler:
         """Compile the fused pass for any batch size (dynamic) and for 1, before serving."""
         if self._race is race:
             return
-        for rows in (2, 1):
-            tensors = (torch.zeros(rows, vocab, dtype=dtype, device=device),
-                       torch.ones(rows, device=device),
-                       torch.zeros(rows, dtype=torch.int64, device=device))
-            if rows > 1:
-                for t in tensors:
-                    torch._dynamo.mark_dynamic(t, 0)
-            self._race(*tensors)
+        for rows in WARM_UP_ROWS:
+            self._race(*dynamic_rows(torch.zeros(rows, vocab, dtype=dtype, device=device),
+                                     torch.ones(rows, device=device),
+                                     torch.zeros(rows, dtype=torch.int64, device=device)))
 
     def _row_keys(self, params: Sequence[SamplingParams], steps: Sequence[int],
                   device: torch.device) -> Tensor:

@@ -19,10 +19,14 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the K and V of new tokens into their slots (widening them if the pool is)."""
-        self.k[layer][loc] = k.to(self.k.dtype)
-        self.v[layer][loc] = v.to(self.v.dtype)
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write the K and V of new tokens into their slots of one layer's caches
+    [slots, kv_heads, dim], widening them if the pool is (the model does it, fused with the
+    kernel that produces them: layers.fused.qk_norm_rope_store)."""
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = v.to(v_cache.dtype)
 
 
 class PageAllocator:

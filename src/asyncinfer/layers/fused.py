@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from asyncinfer.kvcache.pool import store_kv
+
 Tensor = torch.Tensor
 
 
@@ -76,8 +78,7 @@ def qk_norm_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor |
     in the kernel that norms and rotates k, and V's is one small kernel: three kernels
     where eager Qwen3 ran about fourteen."""
     q, k, v = qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, heads, kv_heads, head_dim)
-    k_cache[slots] = k.to(k_cache.dtype)
-    v_cache[slots] = v.to(v_cache.dtype)
+    store_kv(k_cache, v_cache, slots, k, v)
     return q, k, v
 
 
@@ -95,6 +96,19 @@ def _allow_recompiles(limit: int = 64) -> None:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, name):
             setattr(config, name, max(getattr(config, name), limit))
+
+
+WARM_UP_ROWS = (2, 1)
+"""Leading sizes a compiled function is first called with: 2 with the dim marked dynamic
+(one compile for every size >= 2), then 1, which torch.compile always specializes."""
+
+
+def dynamic_rows(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` with dim 0 marked dynamic when it is over 1 (see WARM_UP_ROWS)."""
+    for t in tensors:
+        if t.shape[0] > 1:
+            torch._dynamo.mark_dynamic(t, 0)
+    return tensors
 
 
 def compiled(fn: Callable[..., Any], backend: str = "inductor") -> Callable[..., Any]:
@@ -132,22 +146,17 @@ class LayerOps:
         norm = layer.input_layernorm
         q_w = None if attn.q_norm is None else attn.q_norm.weight
         k_w = None if attn.k_norm is None else attn.k_norm.weight
-        for tokens in (2, 1):
-            x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
-            qkv = torch.zeros(tokens, qkv_width, dtype=dtype, device=device)
-            gate_up = torch.zeros(tokens, 2 * inter, dtype=dtype, device=device)
-            slots = torch.zeros(tokens, dtype=torch.int64, device=device)
-            if tokens > 1:
-                for t in (x, qkv, gate_up, slots):
-                    torch._dynamo.mark_dynamic(t, 0)
+        for tokens in WARM_UP_ROWS:
             tables = rotary.lookup(torch.zeros(tokens, dtype=torch.int64, device=device),
                                    dtype)
-            if tokens > 1:
-                for t in tables:
-                    torch._dynamo.mark_dynamic(t, 0)
+            x, qkv, gate_up, slots, cos, sin = dynamic_rows(
+                torch.zeros(tokens, hidden, dtype=dtype, device=device),
+                torch.zeros(tokens, qkv_width, dtype=dtype, device=device),
+                torch.zeros(tokens, 2 * inter, dtype=dtype, device=device),
+                torch.zeros(tokens, dtype=torch.int64, device=device), *tables)
             self.rms_norm(x, norm.weight, norm.eps)
             self.add_rms_norm(x, x, norm.weight, norm.eps)
-            self.qk_norm_rope_store(qkv, tables.cos, tables.sin, q_w, k_w, attn.eps,
+            self.qk_norm_rope_store(qkv, cos, sin, q_w, k_w, attn.eps,
                                     attn.heads, attn.kv_heads, attn.head_dim, k_cache,
                                     v_cache, slots)
             self.silu_mul(gate_up)

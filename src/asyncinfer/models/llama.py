@@ -42,7 +42,7 @@ class Attention(nn.Module):
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
             self.eps, self.heads, self.kv_heads, self.head_dim, *attn.kv_slots(self.layer))
-        return self.o_proj(attn(self.layer, q, k, v, stored=True))
+        return self.o_proj(attn(self.layer, q, k, v))
 
 
 class MLP(nn.Module):
