@@ -104,25 +104,58 @@ def profile_decode_step(runner: ModelRunner, batch_size: int, context: int,
             "graph": getattr(runner, "graphs", None) is not None}
 
 
-def _union_ms(intervals: list[tuple[int, int]]) -> float:
-    total, end = 0, None
+def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of ``intervals`` as sorted, disjoint intervals."""
+    merged: list[tuple[int, int]] = []
     for lo, hi in sorted(intervals):
-        if end is None or lo > end:
-            total += hi - lo
-            end = hi
-        elif hi > end:
-            total += hi - end
-            end = hi
-    return total / 1000
+        if merged and lo <= merged[-1][1]:
+            if hi > merged[-1][1]:
+                merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _union_ms(intervals: list[tuple[int, int]]) -> float:
+    return sum(hi - lo for lo, hi in _merged(intervals)) / 1000
+
+
+GAP_BOUNDS_US = (2, 5, 20, 100, 1000)
+
+
+def idle_gaps(intervals: list[tuple[int, int]], windows: int = 10) -> dict[str, Any]:
+    """Where the GPU sat idle between kernels (µs intervals): seconds and counts of gaps by
+    length (short ones are launch latency inside a graph, long ones a host that came late),
+    and the idle seconds in each tenth of the run (to tell a slow start from a slow tail)."""
+    merged = _merged(intervals)
+    if len(merged) < 2:
+        return {}
+    edges = (0, *GAP_BOUNDS_US, float("inf"))
+    names = [f"{lo}-{hi}us" for lo, hi in zip(edges, edges[1:], strict=False)]
+    seconds = dict.fromkeys(names, 0.0)
+    counts = dict.fromkeys(names, 0)
+    start, span = merged[0][0], merged[-1][1] - merged[0][0]
+    by_window = [0.0] * windows
+    for (_, prev_end), (lo, _) in zip(merged, merged[1:], strict=False):
+        gap = lo - prev_end
+        name = next(n for n, hi in zip(names, edges[1:], strict=True) if gap <= hi)
+        seconds[name] += gap / 1e6
+        counts[name] += 1
+        by_window[min(windows - 1, (prev_end - start) * windows // span)] += gap / 1e6
+    return {"idle_s_by_gap": {n: round(v, 6) for n, v in seconds.items()},
+            "gaps_by_length": counts,
+            "idle_s_by_tenth_of_run": [round(v, 6) for v in by_window]}
 
 
 def kernel_busy(prof: Any) -> dict[str, Any]:
-    """Seconds some kernel ran (the union of kernel intervals) and time by kernel class."""
+    """Seconds some kernel ran (the union of kernel intervals), time by kernel class, and
+    the idle gaps between kernels (``idle_gaps``)."""
     kernels = [e for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
     totals = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
     for e in kernels:
         totals[kernel_class(e.name)] += e.time_range.elapsed_us() / 1e6
-    busy = _union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / 1000
+    intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
+    busy = _union_ms(intervals) / 1000
     return {"busy_s": round(busy, 3), "kernels": len(kernels),
-            **{f"{k}_s": round(v, 3) for k, v in totals.items()}}
+            **{f"{k}_s": round(v, 3) for k, v in totals.items()}, **idle_gaps(intervals)}

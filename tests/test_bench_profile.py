@@ -1,0 +1,35 @@
+"""The trace arithmetic of the GPU benchmark's profiles (pure Python, no device)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncinfer.bench.profile import _union_ms, idle_gaps, kernel_class
+
+
+def test_union_counts_overlapping_kernels_once() -> None:
+    assert _union_ms([(0, 1000), (500, 1500), (3000, 4000)]) == pytest.approx(2.5)
+
+
+def test_idle_gaps_by_length_and_by_tenth_of_run() -> None:
+    # Kernels at 0-10 µs, 11-20 (1 µs gap), 50-60 (30 µs gap), then 2060-2100 (2000 µs gap).
+    out = idle_gaps([(0, 10), (11, 20), (15, 18), (50, 60), (2060, 2100)])
+    assert out["gaps_by_length"] == {"0-2us": 1, "2-5us": 0, "5-20us": 0, "20-100us": 1,
+                                     "100-1000us": 0, "1000-infus": 1}
+    assert out["idle_s_by_gap"]["20-100us"] == pytest.approx(30e-6)
+    assert sum(out["idle_s_by_gap"].values()) == pytest.approx(2031e-6)
+    # All three gaps begin in the first tenth of the 2100 µs run.
+    assert out["idle_s_by_tenth_of_run"][0] == pytest.approx(2031e-6)
+    assert sum(out["idle_s_by_tenth_of_run"][1:]) == 0
+
+
+def test_idle_gaps_of_one_kernel_is_empty() -> None:
+    assert idle_gaps([(0, 10)]) == {}
+
+
+@pytest.mark.parametrize(("name", "cls"), [
+    ("void flashinfer::BatchPrefillWithPagedKVCacheKernel<...>", "attention"),
+    ("nvjet_sm90_tst_64x32_64x16_1x2_h_bz_TNT", "matmul"),
+    ("triton_poi_fused_mul_silu_split_0", "other")])
+def test_kernel_class(name: str, cls: str) -> None:
+    assert kernel_class(name) == cls
