@@ -13,7 +13,7 @@ def test_union_counts_overlapping_kernels_once() -> None:
 
 def test_idle_gaps_by_length_and_by_tenth_of_run() -> None:
     # Kernels at 0-10 µs, 11-20 (1 µs gap), 50-60 (30 µs gap), then 2060-2100 (2000 µs gap).
-    out = idle_gaps([(0, 10), (11, 20), (15, 18), (50, 60), (2060, 2100)])
+    out = idle_gaps([(0.0, 10.0), (11, 20), (15, 18), (50, 60), (2060, 2100.0)])
     assert out["gaps_by_length"] == {"0-2us": 1, "2-5us": 0, "5-20us": 0, "20-100us": 1,
                                      "100-1000us": 0, "1000-infus": 1}
     assert out["idle_s_by_gap"]["20-100us"] == pytest.approx(30e-6)

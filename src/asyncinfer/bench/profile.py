@@ -141,7 +141,7 @@ def idle_gaps(intervals: list[tuple[int, int]], windows: int = 10) -> dict[str, 
         name = next(n for n, hi in zip(names, edges[1:], strict=True) if gap <= hi)
         seconds[name] += gap / 1e6
         counts[name] += 1
-        by_window[min(windows - 1, (prev_end - start) * windows // span)] += gap / 1e6
+        by_window[min(windows - 1, int((prev_end - start) * windows // span))] += gap / 1e6
     return {"idle_s_by_gap": {n: round(v, 6) for n, v in seconds.items()},
             "gaps_by_length": counts,
             "idle_s_by_tenth_of_run": [round(v, 6) for v in by_window]}
