@@ -109,3 +109,16 @@ async def test_close_fails_requests_still_running(tiny_llama_dir: Path) -> None:
     await engine.close()
     out = await asyncio.wait_for(task, 10)
     assert out.finish_reason == "error" and out.error is not None
+
+
+async def test_recorded_rounds_account_for_every_batch(tiny_llama_dir: Path) -> None:
+    async with tiny_engine(tiny_llama_dir) as engine:
+        rounds = engine.record_rounds()
+        await asyncio.gather(*(engine.generate([5, 6, 7 + i], greedy(4)) for i in range(3)))
+        await wait_idle(engine)
+        batches = [r for r in rounds if r[3]]
+        # One prefill of all three, then three decode steps of three rows each.
+        assert [(phase, size) for _, _, _, phase, size in batches] == [
+            ("prefill", 3), ("decode", 3), ("decode", 3), ("decode", 3)]
+        assert all(host >= 0 and wait >= 0 for _, host, wait, _, _ in rounds)
+        assert [r[0] for r in rounds] == sorted(r[0] for r in rounds)

@@ -21,6 +21,7 @@ def test_idle_gaps_by_length_and_by_tenth_of_run() -> None:
     # All three gaps begin in the first tenth of the 2100 µs run.
     assert out["idle_s_by_tenth_of_run"][0] == pytest.approx(2031e-6)
     assert sum(out["idle_s_by_tenth_of_run"][1:]) == 0
+    assert out["longest_gaps_ms"] == [[0.06, 2.0], [0.02, 0.03], [0.01, 0.001]]
 
 
 def test_idle_gaps_of_one_kernel_is_empty() -> None:
@@ -33,3 +34,15 @@ def test_idle_gaps_of_one_kernel_is_empty() -> None:
     ("triton_poi_fused_mul_silu_split_0", "other")])
 def test_kernel_class(name: str, cls: str) -> None:
     assert kernel_class(name) == cls
+
+
+def test_host_stalls_lists_slowest_rounds_and_collections() -> None:
+    from asyncinfer.bench.gpu_offline import host_stalls
+
+    rounds = [(10.0, 0.001, 0.002, "decode", 8), (10.5, 0.030, 0.0, "prefill", 3),
+              (11.0, 0.002, 0.001, "decode", 3)]
+    out = host_stalls(rounds, [(10.6, 0.2, 2), (10.7, 0.0005, 0)], start=10.0, longest=2)
+    assert out["slowest_rounds"] == [[500.0, 30.0, 0.0, "prefill", 3],
+                                     [1000.0, 2.0, 1.0, "decode", 3]]
+    assert out["gc_ms_by_generation"] == {0: 0.5, 1: 0, 2: 200.0}
+    assert out["gc_over_1ms"] == [[600.0, 200.0, 2]]

@@ -231,6 +231,13 @@ class AsyncEngine:
         """Seconds the coordinator spent on the host and awaiting the device."""
         return self._coordinator.timing() if self._coordinator is not None else {}
 
+    def record_rounds(self) -> list[tuple[float, float, float, str, int]]:
+        """From now on, one ``(perf_counter at start, host s, wait s, phase, size)`` per
+        coordinator round (the batch it finished) goes into the returned list."""
+        assert self._coordinator is not None, "the engine has not started"
+        self._coordinator.round_log = []
+        return self._coordinator.round_log
+
 
 class LLM:
     """Offline generation: a synchronous front of the same engine the server runs.

@@ -84,6 +84,8 @@ class Coordinator:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-wait")
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()            # set while the loop waits with nothing to do
+        # When a list: one (start, host_s, wait_s, phase, size) per round, for benchmarks.
+        self.round_log: list[tuple[float, float, float, str, int]] | None = None
 
     # ---- frontend side ---------------------------------------------------------------------
 
@@ -152,7 +154,12 @@ class Coordinator:
                 await self._fail_all(f"engine error: {exc}")
                 inflight = None
             self._deliver(self.scheduler.take_events())
-            self.host_seconds += time.perf_counter() - start - (self.wait_seconds - waited)
+            host = time.perf_counter() - start - (self.wait_seconds - waited)
+            self.host_seconds += host
+            if self.round_log is not None:
+                batch = None if inflight is None else inflight.scheduled.batch
+                self.round_log.append((start, host, self.wait_seconds - waited,
+                                       batch.phase if batch else "", batch.size if batch else 0))
 
     async def _round(self, inflight: _Launched | None) -> _Launched | None:
         launched = None

@@ -142,6 +142,39 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def gc_pauses() -> list[tuple[float, float, int]]:
+    """From now on, each garbage collection as (perf_counter at start, seconds, generation)."""
+    import gc
+
+    pauses: list[tuple[float, float, int]] = []
+    began = [0.0]
+
+    def record(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append((began[0], time.perf_counter() - began[0], info["generation"]))
+
+    gc.callbacks.append(record)
+    return pauses
+
+
+def host_stalls(rounds: list[tuple[float, float, float, str, int]],
+                pauses: list[tuple[float, float, int]], start: float,
+                longest: int = 20) -> dict[str, Any]:
+    """The coordinator rounds that took the host longest and the garbage collections, in ms
+    from ``start``, to set beside the GPU's longest idle gaps."""
+    slow = sorted(rounds, key=lambda r: -r[1])[:longest]
+    return {"slowest_rounds": [[round(1000 * (t - start), 2), round(1000 * host, 3),
+                                round(1000 * wait, 3), phase, size]
+                               for t, host, wait, phase, size in slow],
+            "rounds": len(rounds),
+            "gc_ms_by_generation": {g: round(1000 * sum(d for _, d, gen in pauses if gen == g),
+                                             2) for g in (0, 1, 2)},
+            "gc_over_1ms": [[round(1000 * (t - start), 2), round(1000 * d, 2), g]
+                            for t, d, g in pauses if d > 1e-3]}
+
+
 def main(args: Any) -> int:
     """`asyncinfer bench offline --workload gpu`."""
     import tempfile
@@ -181,6 +214,7 @@ def main(args: Any) -> int:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
+        rounds, pauses = llm.engine.record_rounds(), gc_pauses()
         trace = torch_profile(activities=[ProfilerActivity.CUDA])
         trace.__enter__()
     start = time.perf_counter()
@@ -192,6 +226,7 @@ def main(args: Any) -> int:
 
         trace.__exit__(None, None, None)
         busy = kernel_busy(trace)
+        busy["host"] = host_stalls(rounds, pauses, start)
         log(f"GPU kernels busy {busy['busy_s']:.2f} s of {seconds:.2f} s wall: {busy}")
     tokens = sum(len(o.token_ids) for o in outputs)
     ours = {"engine": "asyncinfer", "tokens": tokens, "seconds": round(seconds, 3),

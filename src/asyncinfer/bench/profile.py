@@ -3,6 +3,7 @@ kernels, and the gaps between kernels, for a steady batch at a fixed context len
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -123,28 +124,34 @@ def _union_ms(intervals: list[tuple[int, int]]) -> float:
 GAP_BOUNDS_US = (2, 5, 20, 100, 1000)
 
 
-def idle_gaps(intervals: list[tuple[int, int]], windows: int = 10) -> dict[str, Any]:
+def idle_gaps(intervals: list[tuple[int, int]], windows: int = 10,
+              longest: int = 20) -> dict[str, Any]:
     """Where the GPU sat idle between kernels (µs intervals): seconds and counts of gaps by
     length (short ones are launch latency inside a graph, long ones a host that came late),
-    and the idle seconds in each tenth of the run (to tell a slow start from a slow tail)."""
+    the idle seconds in each tenth of the run (to tell a slow start from a slow tail), and
+    the ``longest`` gaps as [ms from the first kernel, ms idle]."""
     merged = _merged(intervals)
     if len(merged) < 2:
         return {}
     edges = (0, *GAP_BOUNDS_US, float("inf"))
-    names = [f"{lo}-{hi}us" for lo, hi in zip(edges, edges[1:], strict=False)]
+    names = [f"{lo}-{hi}us" for lo, hi in itertools.pairwise(edges)]
     seconds = dict.fromkeys(names, 0.0)
     counts = dict.fromkeys(names, 0)
     start, span = merged[0][0], merged[-1][1] - merged[0][0]
     by_window = [0.0] * windows
-    for (_, prev_end), (lo, _) in zip(merged, merged[1:], strict=False):
+    gaps: list[tuple[float, float]] = []
+    for (_, prev_end), (lo, _) in itertools.pairwise(merged):
         gap = lo - prev_end
+        gaps.append((gap, prev_end - start))
         name = next(n for n, hi in zip(names, edges[1:], strict=True) if gap <= hi)
         seconds[name] += gap / 1e6
         counts[name] += 1
         by_window[min(windows - 1, int((prev_end - start) * windows // span))] += gap / 1e6
     return {"idle_s_by_gap": {n: round(v, 6) for n, v in seconds.items()},
             "gaps_by_length": counts,
-            "idle_s_by_tenth_of_run": [round(v, 6) for v in by_window]}
+            "idle_s_by_tenth_of_run": [round(v, 6) for v in by_window],
+            "longest_gaps_ms": [[round(at / 1000, 2), round(gap / 1000, 3)]
+                                for gap, at in sorted(gaps, reverse=True)[:longest]]}
 
 
 def kernel_busy(prof: Any) -> dict[str, Any]:
