@@ -122,3 +122,20 @@ async def test_recorded_rounds_account_for_every_batch(tiny_llama_dir: Path) -> 
             ("prefill", 3), ("decode", 3), ("decode", 3), ("decode", 3)]
         assert all(host >= 0 and wait >= 0 for _, host, wait, _, _ in rounds)
         assert [r[0] for r in rounds] == sorted(r[0] for r in rounds)
+
+
+def test_freeze_gc_takes_the_start_up_heap_out_of_collections(tiny_llama_dir: Path) -> None:
+    import gc
+
+    gc.unfreeze()
+    try:
+        tiny_engine(tiny_llama_dir)  # CPU: not frozen unless asked
+        assert gc.get_freeze_count() == 0
+        engine = tiny_engine(tiny_llama_dir, freeze_gc=True)
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # torch, transformers and the engine itself
+        assert all(gc.is_tracked(o) for o in (engine.scheduler, engine.runner))
+        gc.collect()
+        assert gc.get_freeze_count() == frozen  # a collection leaves the frozen heap alone
+    finally:
+        gc.unfreeze()

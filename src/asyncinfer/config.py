@@ -107,6 +107,10 @@ class EngineConfig:
     ``cpu_fp32_compute`` runs a bf16/fp16 model's matrix products and attention in float32
     kernels on a CPU that lacks native half-precision units ("auto"), always ("on") or
     never ("off"); values stay half-precision, only the kernels differ.
+    ``freeze_gc`` moves everything alive once the engine is built (modules, compiled
+    graphs, weights' wrappers: millions of objects) out of the garbage collector's reach
+    with ``gc.freeze()``; a full collection over them stalled a GPU engine for a third of a
+    second mid-run. None: on CUDA, where such a stall idles the device.
     """
 
     model: str | None = None
@@ -128,6 +132,7 @@ class EngineConfig:
     cuda_graph: bool = True
     cuda_graph_max_bs: int | None = field(default=None, validator=_positive)
     torch_compile: bool = True
+    freeze_gc: bool | None = None
 
     def __attrs_post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -172,6 +177,11 @@ class EngineConfig:
     def compiles(self) -> bool:
         """Whether the engine runs its fused layer and sampling ops through torch.compile."""
         return self.torch_compile and self.is_cuda and self.torch_dtype != torch.float32
+
+    @property
+    def freezes_gc(self) -> bool:
+        """Whether the engine freezes the heap it starts with (``freeze_gc``)."""
+        return self.is_cuda if self.freeze_gc is None else self.freeze_gc
 
     @property
     def resolved_attention_backend(self) -> Literal["torch", "flashinfer"]:
