@@ -8,6 +8,7 @@ no graph break, and the arithmetic of the eager functions. The GPU suite runs in
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,13 @@ def test_gumbel_noise_is_pinned_and_distributed_as_gumbel() -> None:
     # Uniform over the support: every 23-bit hash bucket of one row is hit about equally.
     top = (noise[0] > noise[0].median()).float().mean().item()
     assert top == pytest.approx(0.5, abs=0.01)
+
+
+@pytest.mark.parametrize("c", [0x7FEB352D, 0x846CA68B, 0xFFFFFFFF, 0x80000000, 1])
+def test_mul32_is_the_low_half_of_the_exact_product(c: int) -> None:
+    from asyncinfer.engine.sampler import _mul32
+
+    rng = random.Random(c)
+    values = [0, 1, 2**31, 2**32 - 1] + [rng.getrandbits(32) for _ in range(2000)]
+    got = _mul32(torch.tensor(values, dtype=torch.int64), c)
+    assert got.tolist() == [(v * c) & 0xFFFFFFFF for v in values]

@@ -93,9 +93,12 @@ _M32 = 0xFFFFFFFF
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:
-    """Low 32 bits of ``x * c`` for ``0 <= x, c < 2**32``, with no int64 product over 2**49
-    (signed overflow is not something to lean on across CPU and GPU kernels)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+    """Low 32 bits of ``x * c`` for ``0 <= x, c < 2**32`` in int64 without overflow (signed
+    overflow is not something to lean on across CPU and GPU kernels): with ``c``'s top bit
+    taken off the product stays under 2**63, and that bit's share, ``x * 2**31``, has
+    ``(x & 1) << 31`` for its low 32 bits. One multiply per call."""
+    low = x * (c & 0x7FFFFFFF)
+    return (low + ((x & 1) << 31) if c >> 31 else low) & _M32
 
 
 def _hash32(x: Tensor) -> Tensor:
