@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -137,3 +138,44 @@ def test_kv_pool_sized_from_free_memory(qwen3_h128_dir: Path) -> None:
     pool_bytes = llm.runner.pool.k.nbytes + llm.runner.pool.v.nbytes
     assert 0.25 * total < pool_bytes < 0.5 * total, (pool_bytes, total)
     assert llm.runner.num_pages * llm.runner.page_size > 1_000_000
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_qk_norm_rope_store_matches_the_torch_function(norm: bool,
+                                                              dtype: torch.dtype) -> None:
+    from asyncinfer.layers import fused, triton_ops
+
+    assert triton_ops.available(torch.device("cuda"))
+    gen = torch.Generator("cuda").manual_seed(0)
+    tokens, heads, kv_heads, dim = 300, 16, 8, 128
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda", generator=gen)
+    weights = [1 + 0.1 * torch.randn(dim, device="cuda", generator=gen) for _ in range(2)]
+    positions = torch.randint(0, 4000, (tokens, 1), device="cuda", generator=gen)
+    inv_freq = 1e6 ** -(torch.arange(0, dim, 2, device="cuda") / dim)
+    angles = torch.cat([positions * inv_freq] * 2, dim=-1)
+    cos, sin = angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
+    slots = torch.randperm(2 * tokens, device="cuda", generator=gen)[:tokens]
+
+    def run(impl: Any, dt: torch.dtype) -> list[torch.Tensor]:
+        caches = [torch.zeros(2 * tokens, kv_heads, dim, dtype=dt, device="cuda")
+                  for _ in range(2)]
+        q_w, k_w = (w.to(dtype).to(dt) for w in weights) if norm else (None, None)
+        out = impl(qkv.to(dtype).to(dt), cos.to(dt), sin.to(dt), q_w, k_w, 1e-6, heads,
+                   kv_heads, dim, *caches, slots)
+        return [t.float() for t in (*out, *caches)]
+
+    names = ("q", "k", "v", "k_cache", "v_cache")
+    got = run(triton_ops.qk_norm_rope_store, dtype)
+    if dtype == torch.float32:
+        for a, b, name in zip(got, run(fused.qk_norm_rope_store, dtype), names, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+        return
+    # bf16: from the same bf16 inputs, about as close to the float32 result as the torch
+    # function it replaces (which rounds after every op; this rounds twice), and within a
+    # few units in the last place of it.
+    exact = run(fused.qk_norm_rope_store, torch.float32)
+    eager = run(fused.qk_norm_rope_store, dtype)
+    for ours, ref, truth, name in zip(got, eager, exact, names, strict=True):
+        assert (ours - truth).abs().max() <= 1.5 * (ref - truth).abs().max() + 1e-6, name
+        torch.testing.assert_close(ours, truth, atol=2**-6, rtol=2**-5, msg=name)

@@ -124,13 +124,20 @@ class LayerOps:
     which traces the same graphs without generating code).
     """
 
-    def __init__(self, compile: bool = False, backend: str = "inductor") -> None:
+    def __init__(self, compile: bool = False, backend: str = "inductor",
+                 device: torch.device | None = None) -> None:
+        from asyncinfer.layers import triton_ops
+
         self.compiled = compile
         wrap: Callable[[Callable[..., Any]], Callable[..., Any]] = (
             (lambda fn: compiled(fn, backend)) if compile else (lambda fn: fn))
         self.rms_norm = wrap(rms_norm)
         self.add_rms_norm = wrap(add_rms_norm)
-        self.qk_norm_rope_store = wrap(qk_norm_rope_store)
+        # Inductor makes three kernels of this one; a hand-written Triton kernel does it in
+        # one where it can run (compiled engines on CUDA).
+        self.triton = compile and device is not None and triton_ops.available(device)
+        self.qk_norm_rope_store = (triton_ops.qk_norm_rope_store if self.triton
+                                   else wrap(qk_norm_rope_store))
         self.silu_mul = wrap(silu_mul)
 
     @torch.inference_mode()

@@ -114,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         """Run the work between matrix products through torch.compile (see layers.fused),
         compiling each function now, not on the first request (``pool``: the KV pool, still
         empty)."""
-        self.ops = LayerOps(compile=True, backend=backend)
+        self.ops = LayerOps(compile=True, backend=backend, device=pool.k.device)
         self.ops.warm_up(self.layers[0], self.rotary, self.embed_tokens.weight, pool.k[0],
                          pool.v[0])
 
