@@ -139,3 +139,4 @@ def test_freeze_gc_takes_the_start_up_heap_out_of_collections(tiny_llama_dir: Pa
         assert gc.get_freeze_count() == frozen  # a collection leaves the frozen heap alone
     finally:
         gc.unfreeze()
+

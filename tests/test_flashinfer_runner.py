@@ -117,3 +117,25 @@ def test_large_graphs_can_plan_decode_without_split_kv(tiny_qwen3_dir: Path,
     assert graphs is not None
     planned = {bs: w.split_kv_off for bs, w in graphs.wrappers.items() if w.plans}
     assert planned == {4: False, 5: True}  # batches of 5 (graph 5), then of 3 (graph 4)
+
+
+@pytest.mark.usefixtures("fake_fi")
+def test_closed_engine_is_collected_though_it_froze_the_heap(tiny_llama_dir: Path) -> None:
+    import gc
+    import weakref
+
+    gc.unfreeze()
+    try:
+        # The CUDA runner sits in reference cycles (its graphs call back into it), which
+        # only the collector frees: a frozen heap would keep its KV pool, on a GPU most of
+        # the device's memory, from whatever the process runs next.
+        llm = fi_llm(tiny_llama_dir, freeze_gc=True)
+        assert gc.get_freeze_count() > 0
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+        pool = weakref.ref(llm.runner.pool.k)
+        llm.close()
+        del llm
+        gc.collect()
+        assert pool() is None
+    finally:
+        gc.unfreeze()

@@ -103,7 +103,8 @@ class AsyncEngine:
         self.overlap = overlap
         self._coordinator: Coordinator | None = None
         self._uids = itertools.count()
-        if self.config.freezes_gc:
+        self._froze_gc = self.config.freezes_gc
+        if self._froze_gc:
             # Python's full collections walk every object alive; the engine's start-up
             # objects live as long as it does, so take them out of the count (vLLM does too).
             gc.collect()
@@ -117,10 +118,16 @@ class AsyncEngine:
             self._coordinator.start()
 
     async def close(self) -> None:
-        """Fail what is still running, wait for the batch in flight, stop the loop."""
+        """Fail what is still running, wait for the batch in flight, stop the loop.
+
+        An engine that froze the heap (``freeze_gc``) unfreezes it, all of it: the runner
+        sits in reference cycles, and frozen, its KV pool could never be collected."""
         if self._coordinator is not None:
             await self._coordinator.stop()
             self._coordinator = None
+        if self._froze_gc:
+            gc.unfreeze()
+            self._froze_gc = False
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()

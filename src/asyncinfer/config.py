@@ -110,7 +110,8 @@ class EngineConfig:
     ``freeze_gc`` moves everything alive once the engine is built (modules, compiled
     graphs, weights' wrappers: millions of objects) out of the garbage collector's reach
     with ``gc.freeze()``; a full collection over them stalled a GPU engine for a third of a
-    second mid-run. None: on CUDA, where such a stall idles the device.
+    second mid-run. None: on CUDA, where such a stall idles the device. Closing the engine
+    unfreezes the heap, so what it held can be collected.
     """
 
     model: str | None = None
