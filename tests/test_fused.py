@@ -76,15 +76,3 @@ def test_mul32_is_the_low_half_of_the_exact_product(c: int) -> None:
     got = _mul32(torch.tensor(values, dtype=torch.int64), c)
     assert got.tolist() == [(v * c) & 0xFFFFFFFF for v in values]
 
-
-@pytest.mark.parametrize("vocab", [151936, 4096, 1000, 100])
-def test_split_argmax_is_the_first_maximum(vocab: int) -> None:
-    from asyncinfer.engine.sampler import split_argmax
-
-    gen = torch.Generator().manual_seed(vocab)
-    x = torch.randint(0, 5, (6, vocab), generator=gen).float()  # many ties
-    x[1] = -torch.inf
-    x[2, vocab // 2 :] = 9.0                                      # ties across slices
-    x[3, -1] = 7.0
-    assert torch.equal(split_argmax(x), x.argmax(dim=-1))
-    assert split_argmax(x)[2] == vocab // 2

@@ -135,21 +135,7 @@ def race(logits: Tensor, inv_temperature: Tensor, keys: Tensor) -> Tensor:
     scaled = logits.float() * inv_temperature.unsqueeze(-1)
     noisy = scaled + gumbel_noise(keys, logits.shape[-1])
     greedy = (inv_temperature == 0).unsqueeze(-1)
-    return split_argmax(torch.where(greedy, logits.float(), noisy))
-
-
-def split_argmax(x: Tensor) -> Tensor:
-    """``x.argmax(dim=-1)`` of [B, V], the first maximum's index as there, computed over
-    up to 64 slices of each row and then over the slices' maxima: a compiled reduction runs
-    a program per row it reduces, so a small batch over a large vocabulary would otherwise
-    keep all but a few of the GPU's cores idle."""
-    rows, vocab = x.shape
-    parts = next((n for n in (64, 32, 16, 8) if vocab % n == 0 and vocab >= 64 * n), 1)
-    if parts == 1:
-        return x.argmax(dim=-1)
-    best, where = x.view(rows, parts, vocab // parts).max(dim=-1)
-    part = best.argmax(dim=-1, keepdim=True)
-    return (part * (vocab // parts) + where.gather(-1, part)).squeeze(-1)
+    return torch.where(greedy, logits.float(), noisy).argmax(dim=-1)
 
 
 def race_filtered(probs: Tensor, keys: Tensor) -> Tensor:
