@@ -7,7 +7,7 @@
 # tests need beyond the machine's image) into /tmp/site, restores flashinfer's compiled
 # kernels from .fi-cache/kernels.tar.gz as its AOT kernels (no JIT for those), runs the
 # command, and packs every kernel it has into $OUT/kernels.tar.gz for the next call;
-# torch.compile's cache travels the same way in .fi-cache/inductor.tar.gz.
+# torch.compile's cache travels the same way in .fi-cache/inductor.tar.xz.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -19,7 +19,9 @@ export FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
 # torch.compile's FX graphs and Triton kernels, kept between calls the same way.
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor TRITON_CACHE_DIR=/tmp/inductor/triton
 mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
-[ -f .fi-cache/inductor.tar.gz ] && tar xzf .fi-cache/inductor.tar.gz -C "$TORCHINDUCTOR_CACHE_DIR"
+for cache in .fi-cache/inductor.tar.*; do
+    [ -f "$cache" ] && tar xaf "$cache" -C "$TORCHINDUCTOR_CACHE_DIR"
+done
 [ -d .gpu-assets/tokenizer ] && export ASYNCINFER_TOKENIZER_DIR=$PWD/.gpu-assets/tokenizer
 # The .git that travels can be stale; the caller writes the commit it sends here.
 [ -f .gpu-assets/COMMIT ] && export ASYNCINFER_COMMIT=$(cat .gpu-assets/COMMIT)
@@ -36,6 +38,12 @@ for so in /tmp/fiws/.cache/flashinfer/*/*/cached_ops/*/*.so; do
 done
 if [ -n "${OUT:-}" ]; then
     tar czf "$OUT/kernels.tar.gz" -C "$save" . && ls -la "$OUT/kernels.tar.gz"
-    tar czf "$OUT/inductor.tar.gz" -C "$TORCHINDUCTOR_CACHE_DIR" . && ls -la "$OUT/inductor.tar.gz"
+    # xz: gzip's 14 MB grew past the 16 MiB a file may have coming back; xz makes it 3 MB.
+    if command -v xz >/dev/null; then
+        tar cf - -C "$TORCHINDUCTOR_CACHE_DIR" . | xz -T0 -6 > "$OUT/inductor.tar.xz"
+    else
+        tar czf "$OUT/inductor.tar.gz" -C "$TORCHINDUCTOR_CACHE_DIR" .
+    fi
+    ls -la "$OUT"/inductor.tar.*
 fi
 exit $rc
