@@ -20,6 +20,7 @@ import torch
 from torch.nn import functional as F
 
 from asyncinfer.kvcache.pool import store_kv
+from asyncinfer.layers import triton_ops
 
 Tensor = torch.Tensor
 
@@ -121,13 +122,12 @@ class LayerOps:
     """The functions a layer calls between its matrix products: eager, or compiled.
 
     ``backend`` is torch.compile's ("inductor" on CUDA; tests on a CPU use "aot_eager",
-    which traces the same graphs without generating code).
+    which traces the same graphs without generating code). Compiled on a ``device`` where
+    Triton runs, ``qk_norm_rope_store`` is the hand-written kernel of layers.triton_ops.
     """
 
     def __init__(self, compile: bool = False, backend: str = "inductor",
                  device: torch.device | None = None) -> None:
-        from asyncinfer.layers import triton_ops
-
         self.compiled = compile
         wrap: Callable[[Callable[..., Any]], Callable[..., Any]] = (
             (lambda fn: compiled(fn, backend)) if compile else (lambda fn: fn))
