@@ -46,3 +46,17 @@ def test_host_stalls_lists_slowest_rounds_and_collections() -> None:
                                      [1000.0, 2.0, 1.0, "decode", 3]]
     assert out["gc_ms_by_generation"] == {0: 0.5, 1: 0, 2: 200.0}
     assert out["gc_over_1ms"] == [[600.0, 200.0, 2]]
+
+
+def test_gc_pauses_records_collections_only_inside_the_block() -> None:
+    import gc
+
+    from asyncinfer.bench.gpu_offline import gc_pauses
+
+    callbacks = list(gc.callbacks)
+    with gc_pauses() as pauses:
+        gc.collect()
+    gc.collect()
+    assert [generation for _, _, generation in pauses] == [2]
+    assert pauses[0][1] >= 0
+    assert gc.callbacks == callbacks

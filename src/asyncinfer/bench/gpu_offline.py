@@ -7,11 +7,13 @@ Sampling follows nano-vllm's bench: temperature 0.6, EOS ignored.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -152,10 +154,10 @@ def warm_up_prompts(extend_tokens: int, length: int = 512) -> list[list[int]]:
             for _ in range(max(1, extend_tokens // length))]
 
 
-def gc_pauses() -> list[tuple[float, float, int]]:
-    """From now on, each garbage collection as (perf_counter at start, seconds, generation)."""
-    import gc
-
+@contextlib.contextmanager
+def gc_pauses() -> Iterator[list[tuple[float, float, int]]]:
+    """Within the block, each garbage collection as (perf_counter at start, seconds,
+    generation), in the list it yields."""
     pauses: list[tuple[float, float, int]] = []
     began = [0.0]
 
@@ -166,7 +168,10 @@ def gc_pauses() -> list[tuple[float, float, int]]:
             pauses.append((began[0], time.perf_counter() - began[0], info["generation"]))
 
     gc.callbacks.append(record)
-    return pauses
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(record)
 
 
 def host_stalls(rounds: list[tuple[float, float, float, str, int]],
@@ -220,21 +225,20 @@ def main(args: Any) -> int:
               for n in max_tokens]
     torch.cuda.synchronize()
     trace = None
-    if args.gpu_busy:  # the GPU's kernel time over the run, against the run's wall time
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
+    with contextlib.ExitStack() as stack:
+        if args.gpu_busy:  # the GPU's kernel time over the run, against the run's wall time
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
 
-        rounds, pauses = llm.engine.record_rounds(), gc_pauses()
-        trace = torch_profile(activities=[ProfilerActivity.CUDA])
-        trace.__enter__()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
+            rounds, pauses = llm.engine.record_rounds(), stack.enter_context(gc_pauses())
+            trace = stack.enter_context(torch_profile(activities=[ProfilerActivity.CUDA]))
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
     busy = None
     if trace is not None:
         from asyncinfer.bench.profile import kernel_busy
 
-        trace.__exit__(None, None, None)
         busy = kernel_busy(trace)
         busy["host"] = host_stalls(rounds, pauses, start)
         log(f"GPU kernels busy {busy['busy_s']:.2f} s of {seconds:.2f} s wall: {busy}")
