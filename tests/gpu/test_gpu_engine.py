@@ -142,13 +142,15 @@ def test_kv_pool_sized_from_free_memory(qwen3_h128_dir: Path) -> None:
 
 @pytest.mark.parametrize("norm", [True, False], ids=["qwen3", "llama"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_qk_norm_rope_store_matches_the_torch_function(norm: bool,
-                                                              dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("heads", [(16, 8, 128), (12, 3, 64)], ids=["16-8", "12-3"])
+def test_triton_qk_norm_rope_store_matches_the_torch_function(
+        norm: bool, dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
     from asyncinfer.layers import fused, triton_ops
 
     assert triton_ops.available(torch.device("cuda"))
     gen = torch.Generator("cuda").manual_seed(0)
-    tokens, heads, kv_heads, dim = 300, 16, 8, 128
+    tokens = 300
+    heads, kv_heads, dim = heads
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda", generator=gen)
     weights = [1 + 0.1 * torch.randn(dim, device="cuda", generator=gen) for _ in range(2)]
     positions = torch.randint(0, 4000, (tokens, 1), device="cuda", generator=gen)
@@ -179,3 +181,27 @@ def test_triton_qk_norm_rope_store_matches_the_torch_function(norm: bool,
     for ours, ref, truth, name in zip(got, eager, exact, names, strict=True):
         assert (ours - truth).abs().max() <= 1.5 * (ref - truth).abs().max() + 1e-6, name
         torch.testing.assert_close(ours, truth, atol=2**-6, rtol=2**-5, msg=name)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_triton_race_picks_the_torch_functions_tokens(rows: int) -> None:
+    """The two-kernel sampling pass gives the tokens of engine.sampler.race (its noise is the
+    same hash; only log's rounding may differ, which moves no argmax here), greedy rows
+    included, over Qwen3's vocabulary in bf16 logits."""
+    from asyncinfer.engine.sampler import race
+    from asyncinfer.layers import triton_ops
+
+    assert triton_ops.available(torch.device("cuda"), "race")
+    gen = torch.Generator("cuda").manual_seed(rows)
+    logits = (4 * torch.randn(rows, 151936, device="cuda", generator=gen)).to(torch.bfloat16)
+    inv_temperature = torch.tensor([(0.0, 1 / 0.6, 1.0, 2.5)[i % 4] for i in range(rows)],
+                                   device="cuda")
+    keys = torch.randint(-2**63, 2**63 - 1, (rows,), device="cuda", generator=gen)
+    got = triton_ops.race(logits, inv_temperature, keys)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert got.tolist() == race(logits, inv_temperature, keys).tolist()
+    # and it samples: the same rows under other keys pick other tokens
+    other = triton_ops.race(logits, inv_temperature, keys + 1)
+    sampled = (inv_temperature != 0).cpu()
+    if sampled.any():
+        assert (other.cpu() != got.cpu())[sampled].any()

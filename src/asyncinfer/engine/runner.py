@@ -69,7 +69,7 @@ class ModelRunner:
         self.token_pool = torch.zeros(self.max_rows + 1, self.width, dtype=torch.int64,
                                       device=self.device)
         self.backend = self._make_backend()
-        self.sampler = Sampler(config.seed, compile=config.compiles)
+        self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device)
         self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
         logger.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB)%s", self.num_pages,
                     page, self.num_pages * page,

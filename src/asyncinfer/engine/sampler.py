@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from asyncinfer.engine.transfer import upload
+from asyncinfer.layers import triton_ops
 from asyncinfer.layers.fused import WARM_UP_ROWS, compiled, dynamic_rows
 from asyncinfer.params import SamplingParams
 
@@ -153,13 +154,17 @@ class Sampler:
     samples the same tokens whatever shares its batch; an unseeded row's key is drawn from
     the sampler's own generator (``seed``), the same on every rank that runs the same
     batches. Batches without top-k/top-p/min-p take one fused pass (``race``), compiled
-    when ``compile`` is set.
+    when ``compile`` is set: the Triton kernels of layers.triton_ops on a ``device`` where
+    Triton runs, else torch.compile's.
     """
 
-    def __init__(self, seed: int = 0, compile: bool = False, backend: str = "inductor") -> None:
+    def __init__(self, seed: int = 0, compile: bool = False, backend: str = "inductor",
+                 device: torch.device | None = None) -> None:
         self._keys = np.random.Generator(np.random.PCG64(seed & _MASK64))
-        self._race = race
-        if compile:
+        self._race: Callable[[Tensor, Tensor, Tensor], Tensor] = race
+        if compile and device is not None and triton_ops.available(device, "race"):
+            self._race = triton_ops.race
+        elif compile:
             self._race = compiled(race, backend)
 
     def sample(

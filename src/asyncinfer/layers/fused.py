@@ -135,7 +135,7 @@ class LayerOps:
         self.add_rms_norm = wrap(add_rms_norm)
         # Inductor makes three kernels of this one; a hand-written Triton kernel does it in
         # one where it can run (compiled engines on CUDA).
-        self.triton = compile and device is not None and triton_ops.available(device)
+        self.triton = compile and device is not None and triton_ops.available(device, "rope")
         self.qk_norm_rope_store = (triton_ops.qk_norm_rope_store if self.triton
                                    else wrap(qk_norm_rope_store))
         self.silu_mul = wrap(silu_mul)

@@ -4,11 +4,18 @@
 norms, rotary and the K/V cache writes into three kernels (q and k have different head
 counts, so their norms are two reductions, and V's store a third kernel). In a decode step
 of a small model every kernel is short, and each costs a launch and a ramp: this does all
-of it in one, one program per (token, head).
+of it in one, one program per token (all its heads).
 
 Used on CUDA when Triton is importable (``LayerOps`` picks it); the reference is
 ``asyncinfer.layers.fused.qk_norm_rope_store``, which it matches to a rounding (it keeps
 float32 between the norm's scale and the rotation, as inductor does).
+
+``race``: the sampler's Gumbel-max pass (``engine.sampler.race``) with the vocabulary cut in
+chunks of 4,096 columns, one program per (row, chunk), and a second kernel that takes each
+row's best chunk. torch.compile makes one program per row, which at batch 1 is a single
+program walking 152k columns, and at 256 rows two waves of long programs. The noise is the
+same 32-bit hash, computed in native uint32 arithmetic (the torch version emulates it in
+int64), so the tokens are the same as the torch function's up to the rounding of ``log``.
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
 
-def available(device: torch.device) -> bool:
-    """Whether the Triton kernels can run on ``device`` (``ASYNCINFER_TRITON_OPS=0`` turns
-    them off, to measure against torch.compile's kernels)."""
+def available(device: torch.device, op: str = "") -> bool:
+    """Whether the Triton kernels (or the one named ``op``) can run on ``device``, to measure
+    against torch.compile's kernels: ``ASYNCINFER_TRITON_OPS=0`` turns them all off,
+    ``ASYNCINFER_NO_TRITON=race,rope`` the ones named."""
     if os.environ.get("ASYNCINFER_TRITON_OPS") == "0":
+        return False
+    if op and op in os.environ.get("ASYNCINFER_NO_TRITON", "").split(","):
         return False
     return triton is not None and (device.type == "cuda"
                                    or os.environ.get("TRITON_INTERPRET") == "1")
@@ -39,54 +49,129 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _rope_heads(row, count, weight, c1, c2, s1, s2, eps,  # type: ignore[no-untyped-def]
+                    PADDED: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+                    ROUND_TO: tl.constexpr):
+        # ``count`` heads of one token from ``row``: normed (Qwen3) and rotated, in float32.
+        head = tl.arange(0, PADDED)[:, None]
+        lo = tl.arange(0, HALF)[None, :]
+        live = head < count
+        x1 = tl.load(row + head * (2 * HALF) + lo, mask=live, other=0.0).to(tl.float32)
+        x2 = tl.load(row + head * (2 * HALF) + HALF + lo, mask=live,
+                     other=0.0).to(tl.float32)
+        if NORM:
+            scale = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+            w1 = tl.load(weight + lo).to(tl.float32)
+            w2 = tl.load(weight + HALF + lo).to(tl.float32)
+            # The norm's output is a tensor of the activations' dtype in the reference.
+            x1 = (x1 * scale[:, None] * w1).to(ROUND_TO).to(tl.float32)
+            x2 = (x2 * scale[:, None] * w2).to(ROUND_TO).to(tl.float32)
+        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+    @triton.jit
     def _qk_norm_rope_store_kernel(  # type: ignore[no-untyped-def]
             qkv, qkv_stride, cos, sin, rope_stride, q_weight, k_weight, q_out, k_out,
             k_cache, v_cache, k_cache_stride, v_cache_stride, slots, eps,
             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-            NORM: tl.constexpr) -> None:
+            Q_PADDED: tl.constexpr, KV_PADDED: tl.constexpr, NORM: tl.constexpr) -> None:
         token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
         dim = 2 * HALF
-        lo = tl.arange(0, HALF)
-        hi = lo + HALF
-        row = qkv + token * qkv_stride + head * dim
-        x1 = tl.load(row + lo).to(tl.float32)
-        x2 = tl.load(row + hi).to(tl.float32)
+        lo = tl.arange(0, HALF)[None, :]
+        row = qkv + token * qkv_stride
+        c1 = tl.load(cos + token * rope_stride + lo).to(tl.float32)
+        c2 = tl.load(cos + token * rope_stride + HALF + lo).to(tl.float32)
+        s1 = tl.load(sin + token * rope_stride + lo).to(tl.float32)
+        s2 = tl.load(sin + token * rope_stride + HALF + lo).to(tl.float32)
         slot = tl.load(slots + token).to(tl.int64)
-        if head < HEADS + KV_HEADS:  # q or k: norm (Qwen3), rotate, store
-            if NORM:
-                scale = tl.math.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / dim + eps)
-                if head < HEADS:
-                    w1 = tl.load(q_weight + lo).to(tl.float32)
-                    w2 = tl.load(q_weight + hi).to(tl.float32)
-                else:
-                    w1 = tl.load(k_weight + lo).to(tl.float32)
-                    w2 = tl.load(k_weight + hi).to(tl.float32)
-                # The norm's output is a tensor of the activations' dtype in the reference.
-                x1 = (x1 * scale * w1).to(q_out.dtype.element_ty).to(tl.float32)
-                x2 = (x2 * scale * w2).to(q_out.dtype.element_ty).to(tl.float32)
-            c1 = tl.load(cos + token * rope_stride + lo).to(tl.float32)
-            c2 = tl.load(cos + token * rope_stride + hi).to(tl.float32)
-            s1 = tl.load(sin + token * rope_stride + lo).to(tl.float32)
-            s2 = tl.load(sin + token * rope_stride + hi).to(tl.float32)
-            o1 = x1 * c1 - x2 * s1
-            o2 = x2 * c2 + x1 * s2
-            if head < HEADS:
-                dst = q_out + (token * HEADS + head) * dim
-                tl.store(dst + lo, o1.to(q_out.dtype.element_ty))
-                tl.store(dst + hi, o2.to(q_out.dtype.element_ty))
-            else:
-                kv_head = head - HEADS
-                dst = k_out + (token * KV_HEADS + kv_head) * dim
-                tl.store(dst + lo, o1.to(k_out.dtype.element_ty))
-                tl.store(dst + hi, o2.to(k_out.dtype.element_ty))
-                dst = k_cache + slot * k_cache_stride + kv_head * dim
-                tl.store(dst + lo, o1.to(k_cache.dtype.element_ty))
-                tl.store(dst + hi, o2.to(k_cache.dtype.element_ty))
-        else:  # v: stored as it is
-            dst = v_cache + slot * v_cache_stride + (head - HEADS - KV_HEADS) * dim
-            tl.store(dst + lo, x1.to(v_cache.dtype.element_ty))
-            tl.store(dst + hi, x2.to(v_cache.dtype.element_ty))
+        dtype = q_out.dtype.element_ty
+        # q
+        head = tl.arange(0, Q_PADDED)[:, None]
+        o1, o2 = _rope_heads(row, HEADS, q_weight, c1, c2, s1, s2, eps, Q_PADDED, HALF, NORM,
+                             dtype)
+        dst = q_out + token * HEADS * dim + head * dim + lo
+        tl.store(dst, o1.to(dtype), mask=head < HEADS)
+        tl.store(dst + HALF, o2.to(dtype), mask=head < HEADS)
+        # k: to the output and the cache
+        head = tl.arange(0, KV_PADDED)[:, None]
+        live = head < KV_HEADS
+        o1, o2 = _rope_heads(row + HEADS * dim, KV_HEADS, k_weight, c1, c2, s1, s2, eps,
+                             KV_PADDED, HALF, NORM, dtype)
+        dst = k_out + token * KV_HEADS * dim + head * dim + lo
+        tl.store(dst, o1.to(dtype), mask=live)
+        tl.store(dst + HALF, o2.to(dtype), mask=live)
+        dst = k_cache + slot * k_cache_stride + head * dim + lo
+        tl.store(dst, o1.to(k_cache.dtype.element_ty), mask=live)
+        tl.store(dst + HALF, o2.to(k_cache.dtype.element_ty), mask=live)
+        # v: stored as it is
+        src = row + (HEADS + KV_HEADS) * dim + head * dim + lo
+        dst = v_cache + slot * v_cache_stride + head * dim + lo
+        tl.store(dst, tl.load(src, mask=live).to(v_cache.dtype.element_ty), mask=live)
+        tl.store(dst + HALF, tl.load(src + HALF, mask=live).to(v_cache.dtype.element_ty),
+                 mask=live)
+
+    @triton.jit
+    def _hash32(x):
+        # engine.sampler._hash32 on uint32: multiplies wrap modulo 2**32 natively.
+        x = x ^ (x >> 16)
+        x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
+        x = x ^ (x >> 15)
+        x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _race_chunks_kernel(  # type: ignore[no-untyped-def]
+            logits, logits_stride, inv_temperature, keys, best_value, best_index, vocab,
+            CHUNKS: tl.constexpr, BLOCK: tl.constexpr) -> None:
+        row = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < vocab
+        x = tl.load(logits + row * logits_stride + cols, mask=inside,
+                    other=0.0).to(tl.float32)
+        inv_t = tl.load(inv_temperature + row)
+        key = tl.load(keys + row)
+        lo = (key & 0xFFFFFFFF).to(tl.uint32)
+        hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        bits = _hash32(_hash32(cols.to(tl.uint32) + lo) ^ hi)
+        uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / (1 << 23))
+        noisy = x * inv_t - tl.log(-tl.log(uniform))
+        score = tl.where(inv_t == 0, x, noisy)
+        score = tl.where(inside, score, float("-inf"))
+        value, index = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(best_value + row * CHUNKS + chunk, value)
+        tl.store(best_index + row * CHUNKS + chunk, index + chunk * BLOCK)
+
+    @triton.jit
+    def _race_rows_kernel(best_value, best_index, tokens,  # type: ignore[no-untyped-def]
+                          CHUNKS: tl.constexpr, PADDED: tl.constexpr) -> None:
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, PADDED)
+        value = tl.load(best_value + row * CHUNKS + i, mask=i < CHUNKS, other=float("-inf"))
+        _, chunk = tl.max(value, 0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(tokens + row, tl.load(best_index + row * CHUNKS + chunk).to(tl.int64))
+
+
+RACE_BLOCK = 4096
+
+
+def race(logits: Tensor, inv_temperature: Tensor, keys: Tensor) -> Tensor:
+    """``engine.sampler.race`` in two Triton kernels (same arguments, same tokens up to the
+    rounding of ``log``): int64 token ids [B]."""
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return tokens
+    assert logits.stride(1) == 1
+    chunks = triton.cdiv(vocab, RACE_BLOCK)
+    value = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    index = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    first: Any = _race_chunks_kernel
+    first[(rows, chunks)](logits, logits.stride(0), inv_temperature, keys, value, index, vocab,
+                          CHUNKS=chunks, BLOCK=RACE_BLOCK, num_warps=8)
+    second: Any = _race_rows_kernel
+    second[(rows,)](value, index, tokens, CHUNKS=chunks,
+                    PADDED=max(16, triton.next_power_of_2(chunks)), num_warps=1)
+    return tokens
 
 
 def qk_norm_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None,
@@ -107,9 +192,10 @@ def qk_norm_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor |
         cos2, sin2 = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
         assert cos2.stride() == sin2.stride() and cos2.stride(1) == 1
         kernel: Any = _qk_norm_rope_store_kernel
-        kernel[(tokens, heads + 2 * kv_heads)](
+        kernel[(tokens,)](
             qkv, qkv.stride(0), cos2, sin2, cos2.stride(0),
             q_weight if norm else q, k_weight if norm else k, q, k, k_cache, v_cache,
             k_cache.stride(0), v_cache.stride(0), slots, eps, HEADS=heads,
-            KV_HEADS=kv_heads, HALF=head_dim // 2, NORM=norm, num_warps=1)
+            KV_HEADS=kv_heads, HALF=head_dim // 2, Q_PADDED=triton.next_power_of_2(heads),
+            KV_PADDED=triton.next_power_of_2(kv_heads), NORM=norm, num_warps=4)
     return q, k, v
