@@ -143,13 +143,14 @@ def test_kv_pool_sized_from_free_memory(qwen3_h128_dir: Path) -> None:
 @pytest.mark.parametrize("norm", [True, False], ids=["qwen3", "llama"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads", [(16, 8, 128), (12, 3, 64)], ids=["16-8", "12-3"])
+@pytest.mark.parametrize("tokens", [3, 40, 300])  # each of rope_group's head groupings
 def test_triton_qk_norm_rope_store_matches_the_torch_function(
-        norm: bool, dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
+        norm: bool, dtype: torch.dtype, heads: tuple[int, int, int], tokens: int) -> None:
     from asyncinfer.layers import fused, triton_ops
 
     assert triton_ops.available(torch.device("cuda"))
+    assert len({triton_ops.rope_group(n) for n in (3, 40, 300)}) == 3
     gen = torch.Generator("cuda").manual_seed(0)
-    tokens = 300
     heads, kv_heads, dim = heads
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda", generator=gen)
     weights = [1 + 0.1 * torch.randn(dim, device="cuda", generator=gen) for _ in range(2)]
