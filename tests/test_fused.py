@@ -76,30 +76,3 @@ def test_mul32_is_the_low_half_of_the_exact_product(c: int) -> None:
     got = _mul32(torch.tensor(values, dtype=torch.int64), c)
     assert got.tolist() == [(v * c) & 0xFFFFFFFF for v in values]
 
-
-
-def test_compiled_ops_take_the_plain_function_past_eager_above() -> None:
-    from asyncinfer.layers import fused
-
-    calls: list[str] = []
-
-    def fast(x: torch.Tensor, *args: object) -> str:
-        calls.append("fast")
-        return "fast"
-
-    def plain(x: torch.Tensor, *args: object) -> str:
-        calls.append("plain")
-        return "plain"
-
-    op = fused.by_rows(fast, plain, 4)
-    assert [op(torch.zeros(n, 3), 1.0) for n in (1, 4, 5, 600)] == [
-        "fast", "fast", "plain", "plain"]
-    # A compiled LayerOps keeps the compiled function for decode-sized inputs and gives a
-    # prefill-sized one to the plain function, with the same results.
-    ops = fused.LayerOps(compile=True, backend="aot_eager")
-    weight = torch.rand(8) + 0.5
-    for rows in (3, fused.EAGER_ABOVE + 1):
-        x, residual = torch.randn(rows, 8), torch.randn(rows, 8)
-        got = ops.add_rms_norm(x, residual, weight, 1e-6)
-        want = fused.add_rms_norm(x, residual, weight, 1e-6)
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -13,7 +13,6 @@ in place, as it does for gpt-fast's static caches. Attention itself stays outsid
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -119,26 +118,6 @@ def compiled(fn: Callable[..., Any], backend: str = "inductor") -> Callable[...,
     return torch.compile(fn, fullgraph=True, backend=backend)
 
 
-EAGER_ABOVE = int(os.environ.get("ASYNCINFER_EAGER_ABOVE", "512"))
-"""Token counts over this take the plain function even where the layer ops are compiled.
-
-Outside a CUDA graph each call of a compiled function pays for its guards and dispatch:
-150-290 us of host time a call on the H200 machine (docs/benchmarks.md), about 85 calls in
-a prefill round, and prefill rounds are bound by the host. The plain functions launch a few
-kernels each instead. Decode graphs (at most 256 rows by default) keep the compiled ones.
-``ASYNCINFER_EAGER_ABOVE`` sets it, for measuring."""
-
-
-def by_rows(fast: Callable[..., Any], plain: Callable[..., Any],
-            limit: int) -> Callable[..., Any]:
-    """``fast`` for inputs of at most ``limit`` rows (the first argument's dim 0), else
-    ``plain``."""
-    def call(x: Tensor, *args: Any) -> Any:
-        return (plain if x.shape[0] > limit else fast)(x, *args)
-
-    return call
-
-
 class LayerOps:
     """The functions a layer calls between its matrix products: eager, or compiled.
 
@@ -151,8 +130,7 @@ class LayerOps:
                  device: torch.device | None = None) -> None:
         self.compiled = compile
         wrap: Callable[[Callable[..., Any]], Callable[..., Any]] = (
-            (lambda fn: by_rows(compiled(fn, backend), fn, EAGER_ABOVE)) if compile
-            else (lambda fn: fn))
+            (lambda fn: compiled(fn, backend)) if compile else (lambda fn: fn))
         self.rms_norm = wrap(rms_norm)
         self.add_rms_norm = wrap(add_rms_norm)
         # Inductor makes three kernels of this one; a hand-written Triton kernel does it in
