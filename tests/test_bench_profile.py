@@ -60,3 +60,15 @@ def test_gc_pauses_records_collections_only_inside_the_block() -> None:
     assert [generation for _, _, generation in pauses] == [2]
     assert pauses[0][1] >= 0
     assert gc.callbacks == callbacks
+
+
+def test_host_rounds_runs_every_request_to_its_length_through_the_null_engine() -> None:
+    from asyncinfer.bench.host_rounds import measure
+
+    prompts = [[7] * n for n in (30, 5, 64, 17, 40)]
+    max_tokens = [3, 9, 1, 6, 12]
+    out = measure(prompts, max_tokens, max_rows=4, page_size=4, extend_tokens=64)
+    assert out["tokens"] == sum(max_tokens)
+    # Each request's first token comes from its prefill, the rest from decode rows.
+    assert out["decode_rows"] == sum(m - 1 for m in max_tokens)
+    assert out["rounds"] > max(max_tokens) - 1 and out["ms_per_round"] > 0
