@@ -85,8 +85,6 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
         self.sm_scale = options.get("sm_scale") or head_dim**-0.5
         self._store(indptr, indices, last_page_len, page_size)
         _check_lengths(options.get("seq_lens"), indptr, last_page_len, page_size)
-        # Split-KV changes how the kernels share the work, not the result.
-        self.split_kv_off = bool(options.get("disable_split_kv", False))
 
 
 def _check_lengths(seq_lens: torch.Tensor | None, indptr: torch.Tensor,

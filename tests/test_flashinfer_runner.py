@@ -106,20 +106,6 @@ def test_host_lengths_iterate_as_numpy_and_stay_tensors() -> None:
 
 
 @pytest.mark.usefixtures("fake_fi")
-def test_large_graphs_can_plan_decode_without_split_kv(tiny_qwen3_dir: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ASYNCINFER_DECODE_TENSOR_CORES", "1")
-    monkeypatch.setenv("ASYNCINFER_UNSPLIT_DECODE_BS", "5")
-    prompts, expected = reference(tiny_qwen3_dir)
-    llm = fi_llm(tiny_qwen3_dir, max_running_requests=5, cuda_graph_max_bs=6)
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
-    graphs = llm.runner.graphs
-    assert graphs is not None
-    planned = {bs: w.split_kv_off for bs, w in graphs.wrappers.items() if w.plans}
-    assert planned == {4: False, 5: True}  # batches of 5 (graph 5), then of 3 (graph 4)
-
-
-@pytest.mark.usefixtures("fake_fi")
 def test_closed_engine_is_collected_though_it_froze_the_heap(tiny_llama_dir: Path) -> None:
     import gc
     import weakref

@@ -85,15 +85,6 @@ def _decode_tensor_cores(group: int, device: torch.device) -> bool:
     return group >= 4 or hopper
 
 
-def _unsplit_from() -> int | None:
-    """The smallest graph batch size whose decode plans without split-KV, or None (let
-    flashinfer split every batch). Splitting a request's KV over several blocks spreads a
-    small batch over the GPU but costs a merge kernel per layer; a large batch fills the GPU
-    without it. ``ASYNCINFER_UNSPLIT_DECODE_BS=N`` sets it, to measure."""
-    value = os.environ.get("ASYNCINFER_UNSPLIT_DECODE_BS")
-    return int(value) if value else None
-
-
 class HostLengths(torch.Tensor):
     """A host int32 tensor whose iteration yields numpy scalars.
 
@@ -142,27 +133,19 @@ class FlashInferBackend:
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
         self._plan_events: dict[int, torch.cuda.Event] = {}
-        self.unsplit_from = _unsplit_from() if self.decode_tensor_cores else None
-        self._unsplit: set[int] = set()     # ids of graph wrappers planned without split-KV
         shape = (pool.num_pages, pool.page_size, num_kv_heads, head_dim)
         self._pages = [(pool.k[i].view(shape), pool.v[i].view(shape))
                        for i in range(pool.k.shape[0])]
 
     def graph_decode_wrapper(self, batch_size: int, indptr: torch.Tensor,
                              indices: torch.Tensor, last_page_len: torch.Tensor) -> Any:
-        """A decode wrapper for CUDA graphs of ``batch_size``, on fixed device buffers.
-
-        Its plans keep one choice about split-KV for good (the graph captures the kernels
-        that choice launches): no split from ``unsplit_from`` requests on."""
-        wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+        """A decode wrapper for CUDA graphs of ``batch_size``, on fixed device buffers."""
+        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,
             use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=indptr[: batch_size + 1],
             paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last_page_len[:batch_size])
-        if self.unsplit_from is not None and batch_size >= self.unsplit_from:
-            self._unsplit.add(id(wrapper))
-        return wrapper
 
     def plan_decode(self, wrapper: Any, layout: PagedLayout) -> None:
         """Plan a decode wrapper for one batch."""
@@ -170,8 +153,7 @@ class FlashInferBackend:
             layout.indptr, layout.indices, layout.last_page_len, self.num_heads,
             self.num_kv_heads, self.head_dim, self.pool.page_size, q_data_type=self.dtype,
             kv_data_type=self.dtype, sm_scale=self.scale,
-            seq_lens=host_lengths(layout.seq_lens),
-            disable_split_kv=id(wrapper) in self._unsplit))
+            seq_lens=host_lengths(layout.seq_lens)))
 
     def plan_prefill(self, layout: PagedLayout, qo_indptr: torch.Tensor) -> None:
         """Plan the prefill wrapper: ``qo_indptr`` splits the batch's new tokens by request."""
