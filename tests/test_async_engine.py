@@ -109,6 +109,7 @@ async def test_close_fails_requests_still_running(tiny_llama_dir: Path) -> None:
     await engine.close()
     out = await asyncio.wait_for(task, 10)
     assert out.finish_reason == "error" and out.error is not None
+    assert out.error_kind == "engine" and not engine.alive
 
 
 async def test_recorded_rounds_account_for_every_batch(tiny_llama_dir: Path) -> None:

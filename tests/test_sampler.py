@@ -20,7 +20,8 @@ from asyncinfer.engine.sampler import (
     apply_top_p,
     request_seed,
 )
-from asyncinfer.params import SamplingParams
+from asyncinfer.errors import InvalidRequestError
+from asyncinfer.params import MIN_TEMPERATURE, SamplingParams
 
 FAST = settings(max_examples=100, deadline=None)
 
@@ -238,3 +239,51 @@ def test_sample_frequencies_match_the_distribution(seed: int | None) -> None:
     chi_square = sum((c - e) ** 2 / e for c, e in zip(counts, expected, strict=True))
     # 16.27 is the 0.999 quantile of chi-square with 3 degrees of freedom.
     assert chi_square < 16.27, counts
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("max_tokens", 0), ("max_tokens", 2**31), ("max_tokens", 2.0),
+    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -1e-9),
+    ("temperature", 100.5), ("temperature", "1"), ("temperature", 10**400),
+    ("top_p", math.nan), ("top_p", math.inf), ("top_p", 0.0), ("top_p", 1.5),
+    ("min_p", math.nan), ("min_p", -math.inf), ("min_p", 1.1),
+    ("top_k", -2), ("top_k", 2**31), ("top_k", 10**19), ("top_k", 1.5), ("top_k", True),
+    ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.0),
+])
+def test_out_of_range_values_are_refused_naming_the_field(name: str, value: object) -> None:
+    with pytest.raises(InvalidRequestError, match=rf"^{name} ") as refused:
+        SamplingParams(**{name: value})
+    assert refused.value.param == name
+
+
+def test_range_ends_are_accepted_and_tiny_temperatures_are_greedy() -> None:
+    for top_k in (-1, 0, 2**31 - 1):
+        SamplingParams(top_k=top_k)
+    for seed in (-(2**63), 2**64 - 1):
+        SamplingParams(seed=seed)
+    SamplingParams(max_tokens=2**31 - 1, temperature=100.0)
+    assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(temperature=1e-40).greedy
+    assert SamplingParams(temperature=MIN_TEMPERATURE / 2).greedy
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+
+
+@pytest.mark.parametrize("filtered", [False, True], ids=["fused", "filtered"])
+def test_extreme_values_sample_beside_others_and_tiny_temperatures_take_the_argmax(
+        filtered: bool) -> None:
+    vocab = 50
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(4)) * 5
+    params = [SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1e-40),
+              SamplingParams(temperature=MIN_TEMPERATURE / 2, seed=5),
+              SamplingParams(top_k=2**31 - 1, seed=2**64 - 1),
+              SamplingParams(top_k=vocab + 5),
+              SamplingParams(temperature=2.0, seed=-(2**63)),
+              SamplingParams(temperature=MIN_TEMPERATURE),
+              SamplingParams(top_k=5, top_p=0.9, min_p=0.01) if filtered
+              else SamplingParams(top_k=vocab)]
+    tokens = Sampler(1).sample(logits, params, list(range(8)))
+    assert tokens[:3].tolist() == logits[:3].argmax(dim=-1).tolist()
+    for i in (0, 3, 5):  # the same whatever shares the batch
+        assert tokens[i] == Sampler(2).sample(logits[i : i + 1], params[i : i + 1], [i])[0]
+    assert ((tokens >= 0) & (tokens < vocab)).all()

@@ -1,8 +1,10 @@
-"""The scheduler under random arrivals, lengths and aborts, driven with a fake engine.
+"""The scheduler under random arrivals, lengths, aborts, preemptions and failed batches,
+driven with a fake engine.
 
 For every built-in policy and both cache types: budgets are never exceeded, pages are
 conserved after every step, finished and aborted requests hold nothing, every request
-finishes with the output it would have had alone, and each policy keeps its fairness promise.
+finishes with the output it would have had alone (preempted and recovered ones too), a
+suspect never shares a batch, and each policy keeps its fairness promise.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.admitted: dict[int, int] = {}      # uid -> round of first admission
         self.unfinished_before: dict[int, int] = {}
         self.decode_streak = 0
+        self.disturbed = False                  # a preemption or a failure happened
 
     @rule(target=uids, prefix=st.sampled_from(PREFIXES),
           suffix=st.lists(st.integers(1, 49), min_size=1, max_size=30),
@@ -81,11 +84,46 @@ class SchedulerMachine(RuleBasedStateMachine):
         if uid not in self.finished:
             assert self.sched.abort(uid)
 
+    @rule(uid=uids)
+    def preempt(self, uid: int) -> None:
+        # With overlap a batch holding it may be in flight: its result must be dropped.
+        if self.sched.preempt(uid):
+            self.disturbed = True
+
+    @rule(which=st.sampled_from(["in flight", "next"]))
+    def fail_a_batch(self, which: str) -> None:
+        """A forward raises: the batch in flight (the next one launched after it, as the
+        coordinator does), or the next batch scheduled."""
+        sched = self.sched
+        if which == "next" and self.inflight is not None:
+            sched.process(*self.inflight)
+            self.inflight = None
+        self._record(sched.take_events())
+        failed = self.inflight[0] if self.inflight is not None else sched.schedule()
+        later = sched.schedule() if self.inflight is not None else None
+        self.inflight = None
+        if failed is None:
+            return
+        # Not those aborted, or preempted, since it was launched.
+        suspects = [r.uid for r in sched._members(failed)]
+        sched.recover(failed, later, "injected")
+        sched.flush()
+        self.disturbed = True
+        events = sched.take_events()
+        if failed.batch.size == 1:
+            assert [(e.uid, e.finish_reason, e.error_kind) for e in events] == [
+                (u, "error", "engine") for u in suspects]
+        else:
+            assert not events and all(u in sched._suspects for u in suspects)
+        self._record(events)
+
     @rule()
     def step(self) -> None:
         sched = self.sched
         waiting_fresh = [r.uid for r in sched.waiting if not r.admitted]
         resumed = {r.uid for r in sched.waiting if r.admitted}
+        suspects = set(sched._suspects)
+        waiting_suspects = {r.uid for r in sched.waiting if r.suspect}
         streak_before = sched.decode_streak
         waited_before = bool(sched.waiting)
         round_before = sched.round
@@ -99,8 +137,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             uids = [r.uid for r in _scheduled_reqs(sched, batch)]
             new = [u for u in uids if u not in resumed and u in waiting_fresh]
             for u in new:
-                self.admitted[u] = round_before
-            self._check_fairness(batch, new, waiting_fresh, streak_before, waited_before)
+                self.admitted.setdefault(u, round_before)
+            if any(u in suspects for u in uids):
+                assert len(uids) == 1, f"a suspect shares batch {uids}"
+            if waiting_suspects:  # a waiting suspect goes alone, or the others decode
+                assert (uids[0] in waiting_suspects and len(uids) == 1) or (
+                    batch.phase == "decode" and not suspects & set(uids))
+            else:
+                self._check_fairness(batch, new, waiting_fresh, streak_before, waited_before)
         self._record(events)
 
     def _advance(self):  # type: ignore[no-untyped-def]
@@ -156,7 +200,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for uid, reason in self.finished.items():
             if reason in ("length", "stop"):
                 assert self.outputs[uid] == self.expected[uid], f"request {uid} output differs"
-        if isinstance(self.policy, SkipAhead):
+        # Preempted requests jump the queue, and suspects the policy: no bound holds then.
+        if isinstance(self.policy, SkipAhead) and not self.disturbed:
             chunks = math.ceil(64 / BUDGET)
             for uid, admitted in self.admitted.items():
                 bound = self.policy.old_after + (self.unfinished_before[uid] + 1) * (

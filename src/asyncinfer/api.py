@@ -22,7 +22,7 @@ from asyncinfer.models.source import resolve_model
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import Policy
 from asyncinfer.policies.registry import load_policy
-from asyncinfer.scheduler.request import FinishReason
+from asyncinfer.scheduler.request import ErrorKind, FinishReason
 from asyncinfer.scheduler.scheduler import Scheduler
 from asyncinfer.tokenizer import Tokenizer
 
@@ -43,7 +43,13 @@ class RequestMetrics:
 
 @frozen
 class RequestOutput:
-    """The result of one request."""
+    """The result of one request.
+
+    With ``finish_reason == "error"``, ``error`` says what happened and ``error_kind`` whose
+    fault it is: "invalid", a request that can never run (its prompt does not fit the
+    context, ...); "engine", a request the engine failed (its batch failed with it alone, or
+    the engine shut down).
+    """
 
     request_id: int
     prompt: str | None
@@ -54,6 +60,7 @@ class RequestOutput:
     error: str | None = None
     cached_tokens: int = 0          # prompt tokens found in the prefix cache
     metrics: RequestMetrics | None = None
+    error_kind: ErrorKind | None = None
 
 
 @frozen
@@ -68,7 +75,12 @@ class StreamDelta:
 
 @frozen
 class EngineStats:
-    """A snapshot for metrics and tests."""
+    """A snapshot for metrics and tests.
+
+    The prefix-cache counts run from the start: one query per admitted request, a hit when
+    it found at least one token cached, and the prompt tokens queried and found (all 0
+    without a prefix cache).
+    """
 
     waiting: int
     running: int
@@ -76,6 +88,10 @@ class EngineStats:
     kv_pages_total: int
     batches_prefill: int
     batches_decode: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
 
 class AsyncEngine:
@@ -179,7 +195,8 @@ class AsyncEngine:
         return RequestOutput(
             uid, prompt if isinstance(prompt, str) else None, ids, text, collector.tokens,
             last.finish_reason, last.error, last.prefix_len,
-            RequestMetrics(arrival, collector.first_token_time, time.perf_counter()))
+            RequestMetrics(arrival, collector.first_token_time, time.perf_counter()),
+            last.error_kind)
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None
                      ) -> AsyncIterator[StreamDelta]:
@@ -223,11 +240,24 @@ class AsyncEngine:
                 output = RequestOutput(
                     uid, prompt if isinstance(prompt, str) else None, ids, full, tokens, reason,
                     event.error, event.prefix_len,
-                    RequestMetrics(arrival, first_token, time.perf_counter()))
+                    RequestMetrics(arrival, first_token, time.perf_counter()), event.error_kind)
                 yield StreamDelta(text, new, reason, output)
         finally:
             if not done:  # cancelled, or the consumer stopped listening
                 coordinator.abort(uid)
+
+    def abort_all(self) -> None:
+        """End every request waiting or running with finish_reason "abort", delivered to its
+        reader at once (a stream's last delta, ``generate``'s output), and free what they hold
+        at the engine's next round. For a server that stops waiting for its requests."""
+        if self._coordinator is not None:
+            self._coordinator.abort_all()
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine's loop runs: started, not closed, and not dead of an error
+        (then every request gets an "error" output and new ones do too)."""
+        return self._coordinator is not None and self._coordinator.alive
 
     async def wait_idle(self) -> None:
         """Wait until the engine has applied every message and has nothing to run."""

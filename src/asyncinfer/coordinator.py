@@ -7,11 +7,18 @@ enqueues the forward on the engine stream and records an event, and the thread o
 that event. It then delivers each request's events to its channel. With ``overlap`` batch N+1 is
 scheduled and launched before the results of batch N are processed: inputs come from the
 token pool, so scheduling never needs the token values of the batch in flight.
+
+A batch whose launch or forward raises fails no request by itself: the scheduler's
+``recover`` re-queues its requests (and those of the batch launched after it, which read its
+tokens) and runs each of them alone until the one at fault is found; only a request whose
+batch fails with it alone ends in error (see scheduler.scheduler). If the loop itself dies,
+every request still waiting for events gets an error, and so does any added afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -79,6 +86,7 @@ class Coordinator:
         self.batches = {"prefill": 0, "decode": 0}
         self._commands: asyncio.Queue[_Add | _Abort | None] = asyncio.Queue()
         self._channels: dict[int, asyncio.Queue[Event] | Collector] = {}
+        self._queued_adds = 0                   # requests added but not yet applied
         self.host_seconds = 0.0                 # scheduling, launching, processing, delivering
         self.wait_seconds = 0.0                 # awaiting the device
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-wait")
@@ -93,22 +101,45 @@ class Coordinator:
             ) -> asyncio.Queue[Event]:
         """Queue a request; its events arrive on the returned channel, the last one finished."""
         channel: asyncio.Queue[Event] = asyncio.Queue()
-        self._channels[uid] = channel
-        self._commands.put_nowait(_Add(uid, prompt_ids, params))
+        self._submit(uid, prompt_ids, params, channel)
         return channel
 
     def add_collected(self, uid: int, prompt_ids: list[int], params: SamplingParams
                       ) -> Collector:
         """Queue a request whose reader wants only the end: see :class:`Collector`."""
         collector = Collector()
-        self._channels[uid] = collector
-        self._commands.put_nowait(_Add(uid, prompt_ids, params))
+        self._submit(uid, prompt_ids, params, collector)
         return collector
+
+    def _submit(self, uid: int, prompt_ids: list[int], params: SamplingParams,
+                channel: asyncio.Queue[Event] | Collector) -> None:
+        if self._task is not None and self._task.done():  # the loop died: nobody would answer
+            channel.put_nowait(Event(uid, None, "error", "the engine is not running",
+                                     error_kind="engine"))
+            return
+        self._channels[uid] = channel
+        self._commands.put_nowait(_Add(uid, prompt_ids, params))
+        self._queued_adds += 1
 
     def abort(self, uid: int, notify: bool = False) -> None:
         """Stop a request and free what it holds; its channel gets no more events."""
         self._channels.pop(uid, None)
         self._commands.put_nowait(_Abort(uid, notify))
+
+    def abort_all(self) -> None:
+        """End every request now: each channel gets a last "abort" event at once (even while
+        the loop awaits a batch), and the loop frees what they hold at its next round."""
+        sched = self.scheduler
+        prefix = {r.uid: r.prefix_len for r in [*sched.waiting, *sched.running.values()]}
+        for uid in list(self._channels):
+            self._channels.pop(uid).put_nowait(Event(uid, None, "abort",
+                                                     prefix_len=prefix.get(uid, 0)))
+            self._commands.put_nowait(_Abort(uid, notify=False))
+
+    @property
+    def alive(self) -> bool:
+        """The loop is started and has not ended (stopped, or died of an error)."""
+        return self._task is not None and not self._task.done()
 
     def start(self) -> None:
         """Start the loop task on the running event loop."""
@@ -120,13 +151,14 @@ class Coordinator:
         if self._task is None:
             return
         self._commands.put_nowait(None)
-        await self._task
+        with contextlib.suppress(Exception):  # a loop that died was logged when it did
+            await self._task
         self._task = None
         self._executor.shutdown(wait=True)
 
     async def wait_idle(self) -> None:
-        """Return once every command is applied and nothing runs or waits."""
-        while True:
+        """Return once every command is applied and nothing runs or waits (or the loop died)."""
+        while self._task is None or not self._task.done():
             await self._idle.wait()
             if self._commands.empty():
                 return
@@ -135,6 +167,19 @@ class Coordinator:
     # ---- the loop --------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception:
+            logger.exception("the engine loop died")
+            raise
+        finally:
+            # Nothing will answer these any more: end them rather than leave readers hanging.
+            for uid in list(self._channels):
+                self._deliver([Event(uid, None, "error", "the engine loop stopped",
+                                     error_kind="engine")])
+            self._idle.set()
+
+    async def _loop(self) -> None:
         inflight: _Launched | None = None
         while True:
             if inflight is None and not self.scheduler.has_work:
@@ -149,7 +194,7 @@ class Coordinator:
             start, waited = time.perf_counter(), self.wait_seconds
             try:
                 inflight = await self._round(inflight)
-            except Exception as exc:  # a failed round must not take the server down
+            except Exception as exc:  # the scheduler failed, not a batch: end everything
                 logger.exception("engine round failed")
                 await self._fail_all(f"engine error: {exc}")
                 inflight = None
@@ -167,25 +212,57 @@ class Coordinator:
             scheduled = self.scheduler.schedule()
             if scheduled is not None:
                 launched = self._launch(scheduled)
-        if inflight is not None:
-            await self._finish(inflight)
+        if inflight is not None and not await self._finish(inflight, launched):
+            launched = None  # it read the failed batch's tokens: recovered with it
         if launched is not None and not self.overlap:
-            await self._finish(launched)
+            await self._finish(launched, None)
             launched = None
         self.scheduler.flush()
         return launched
 
     def _launch(self, scheduled: ScheduledBatch) -> _Launched:
+        """Start a batch; a launch that raises is a batch that failed, reported when it is
+        finished, in launch order, like a failed forward."""
         self.batches[scheduled.phase] += 1
         loop = asyncio.get_running_loop()
-        wait = self.launch(scheduled.batch)
+        try:
+            wait = self.launch(scheduled.batch)
+        except Exception as exc:
+            failed: asyncio.Future[ForwardOutput] = loop.create_future()
+            failed.set_exception(exc)
+            return _Launched(scheduled, failed)
         return _Launched(scheduled, loop.run_in_executor(self._executor, wait))
 
-    async def _finish(self, launched: _Launched) -> None:
+    async def _finish(self, launched: _Launched, later: _Launched | None) -> bool:
+        """Await a batch and process its tokens; if it failed, recover it and ``later`` (the
+        batch launched after it) instead, and return False."""
         start = time.perf_counter()
-        out = await launched.future
+        try:
+            tokens = (await launched.future).next_tokens.tolist()
+        except Exception as exc:
+            self.wait_seconds += time.perf_counter() - start
+            await self._recover(launched, later, exc)
+            return False
         self.wait_seconds += time.perf_counter() - start
-        self.scheduler.process(launched.scheduled, out.next_tokens.tolist())
+        self.scheduler.process(launched.scheduled, tokens)
+        return True
+
+    async def _recover(self, failed: _Launched, later: _Launched | None,
+                       exc: Exception) -> None:
+        batch = failed.scheduled.batch
+        logger.error("batch %d (%s of %d requests) failed; %s", failed.scheduled.seq,
+                     batch.phase, batch.size, "its request is failed" if batch.size == 1
+                     else "its requests are re-queued, each to run alone", exc_info=exc)
+        # Nothing may still touch their rows and pages when they are released.
+        if later is not None:
+            with contextlib.suppress(Exception):
+                await later.future
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.synchronize)
+        except Exception:
+            logger.exception("the device did not synchronize after a failed batch")
+        self.scheduler.recover(failed.scheduled, later.scheduled if later else None,
+                               f"engine error: {exc}")
 
     def _drain_commands(self) -> bool:
         while not self._commands.empty():
@@ -197,6 +274,7 @@ class Coordinator:
         if command is None:
             return False
         if isinstance(command, _Add):
+            self._queued_adds -= 1
             if command.uid in self._channels:  # not aborted while it sat in the queue
                 self.scheduler.add_request(command.uid, command.prompt_ids, command.params)
         else:
@@ -219,17 +297,24 @@ class Coordinator:
         self._deliver(self.scheduler.take_events())
         self.scheduler.abort_all()
         for uid in list(self._channels):
-            self._deliver([Event(uid, None, "error", message)])
+            self._deliver([Event(uid, None, "error", message, error_kind="engine")])
 
     def stats(self) -> dict[str, Any]:
-        """Counts for metrics: waiting, running, pages, batches by phase."""
+        """Counts for metrics: waiting, running, pages, batches by phase, prefix-cache
+        lookups (see scheduler.cache.PrefixCacheStats)."""
         sched = self.scheduler
         total = sched.engine.num_pages
-        return {"waiting": len(sched.waiting), "running": len(sched.running),
+        prefix = sched.cache.stats
+        # Added requests the loop has not applied yet wait too: admission limits see them.
+        return {"waiting": len(sched.waiting) + self._queued_adds,
+                "running": len(sched.running),
                 "kv_pages_total": total,
                 "kv_pages_used": total - sched.cache.allocator.num_free - sched.cache.cached_pages,
                 "batches_prefill": self.batches["prefill"],
-                "batches_decode": self.batches["decode"]}
+                "batches_decode": self.batches["decode"],
+                "prefix_cache_queries": prefix.queries, "prefix_cache_hits": prefix.hits,
+                "prefix_cache_query_tokens": prefix.query_tokens,
+                "prefix_cache_hit_tokens": prefix.hit_tokens}
 
     def timing(self) -> dict[str, float]:
         """Seconds the loop spent on the host and awaiting the device, since it started."""

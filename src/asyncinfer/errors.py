@@ -10,9 +10,16 @@ class AsyncInferError(Exception):
 
 
 class InvalidRequestError(AsyncInferError, ValueError):
-    """A request or option the user can fix: bad sampling value, prompt too long, ..."""
+    """A request or option the user can fix: bad sampling value, prompt too long, ...
+
+    ``param`` names the request field at fault, when there is one (the server reports it).
+    """
 
     http_status = 400
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFoundError(AsyncInferError):

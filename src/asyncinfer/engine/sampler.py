@@ -181,6 +181,7 @@ class Sampler:
         if not rows:
             return logits.float().argmax(dim=-1)
         if not any(_filters(p, vocab) for p in params):
+            # Greedy rows (temperature below MIN_TEMPERATURE included) race with 0: no 1 / T.
             inv_temperature = [0.0 if p.greedy else 1.0 / p.temperature for p in params]
             return self._race(logits, device_tensor(inv_temperature, torch.float32, device),
                               self._row_keys(params, steps, device))
@@ -215,12 +216,15 @@ class Sampler:
         return upload(torch.from_numpy(keys), device)
 
     def _filtered_probs(self, logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+        """Probabilities after temperature and filters; ``params`` are sampled rows only (no
+        greedy one), so every temperature is at least ``MIN_TEMPERATURE``."""
         device, vocab = logits.device, logits.shape[-1]
         temperature = device_tensor([p.temperature for p in params], torch.float32, device)
         probs = torch.softmax(logits / temperature.unsqueeze(-1), dim=-1)
         if any(0 < p.top_k < vocab for p in params):
-            probs = apply_top_k(probs, device_tensor([p.top_k for p in params], torch.int64,
-                                                     device))
+            # A top_k beyond the vocabulary means off: clamped, it also fits any int tensor.
+            top_k = [min(p.top_k, vocab) for p in params]
+            probs = apply_top_k(probs, device_tensor(top_k, torch.int64, device))
         if any(p.top_p < 1.0 for p in params):
             top_p = device_tensor([p.top_p for p in params], torch.float64, device)
             probs = apply_top_p(probs, top_p)

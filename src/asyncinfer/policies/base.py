@@ -17,8 +17,8 @@ class WaitingRequest:
     """A request waiting for (the rest of) its prefill."""
 
     uid: int
-    prompt_len: int
-    prefill_remaining: int      # prompt tokens still to compute (before prefix matching)
+    prompt_len: int             # tokens to prefill: the prompt (and a preempted one's outputs)
+    prefill_remaining: int      # of those, still to compute (before prefix matching)
     max_tokens: int             # output tokens it may still produce
     arrival_round: int          # the scheduler round in which it arrived
     waited_rounds: int          # rounds since arrival

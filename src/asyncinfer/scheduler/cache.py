@@ -4,10 +4,30 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from attrs import define
 
 from asyncinfer.kvcache.pool import PageAllocator
 from asyncinfer.kvcache.radix import RadixCache
 from asyncinfer.scheduler.request import Req
+
+
+@define
+class PrefixCacheStats:
+    """Prefix-cache lookups since the start, for metrics: one per admitted request (a
+    recompute after a preemption is not a new request), with the prompt tokens queried and
+    those found cached. A hit is a lookup that found at least one token."""
+
+    queries: int = 0
+    hits: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+    def record(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count one lookup."""
+        self.queries += 1
+        self.hits += int(hit_tokens > 0)
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
 
 
 class CacheManager:
@@ -25,6 +45,7 @@ class CacheManager:
         self.page_table = page_table
         self.allocator = PageAllocator(num_pages)
         self.radix = RadixCache(page_size) if cache_type == "radix" else None
+        self.stats = PrefixCacheStats()
 
     @property
     def available_pages(self) -> int:
@@ -46,27 +67,36 @@ class CacheManager:
         return self.pages_for(req.max_len) - len(req.pages)
 
     def match(self, req: Req) -> None:
-        """Attach the longest cached prefix of the prompt to ``req`` and pin it."""
+        """Attach the longest cached prefix of the sequence to prefill (the prompt, and the
+        outputs of a preempted request) to ``req`` and pin it."""
         if self.radix is None:
             return
-        found = self.radix.match_prefix(req.prompt_ids)
+        found = self.radix.match_prefix(req.token_ids())
         self.radix.lock(found.node)
         req.prefix_node = found.node
         req.pages = list(found.pages)
         req.shared_pages = len(found.pages)
-        req.cached_len = req.prefix_len = found.num_tokens
+        req.cached_len = found.num_tokens
 
     def unmatch(self, req: Req) -> None:
         """Undo ``match`` for a request that was not admitted after all."""
         if self.radix is not None and req.prefix_node is not None:
             self.radix.unlock(req.prefix_node)
         req.prefix_node, req.pages, req.shared_pages = None, [], 0
-        req.cached_len = req.prefix_len = 0
+        req.cached_len = 0
 
-    def map_prefix(self, req: Req) -> None:
-        """Write the shared prefix pages of a newly admitted request into its table row."""
+    def admit(self, req: Req) -> None:
+        """Write the shared prefix pages of a newly admitted request into its table row.
+
+        A request's first admission also fixes its ``prefix_len`` and counts as one lookup in
+        ``stats``; a recompute after a preemption changes neither.
+        """
         if req.shared_pages:
             self._write(req.row, 0, req.pages[: req.shared_pages])
+        if req.preemptions == 0:
+            req.prefix_len = req.cached_len
+            if self.radix is not None:
+                self.stats.record(req.prompt_len, req.cached_len)
 
     def allocate(self, req: Req, end: int) -> None:
         """Give ``req`` pages for positions up to ``end``, evicting cached pages if needed."""

@@ -13,9 +13,10 @@ class PrefillAdder:
     """Admits requests one by one into a prefill batch while they fit.
 
     A request fits when a table row is free, the round's token budget has room for its
-    prompt (or, with chunked prefill, for a first chunk of it), and the pages it may ever need
-    fit in what is available after every admitted request's own future needs are reserved,
-    so running requests never run out of KV.
+    sequence (its prompt, with its outputs after a preemption; or, with chunked prefill, for
+    a first chunk of it), and the pages it may ever need fit in what is available after
+    every admitted request's own future needs are reserved, so running requests never run
+    out of KV.
     """
 
     cache: CacheManager
@@ -35,8 +36,10 @@ class PrefillAdder:
             return False
         self.cache.match(req)
         need = self.cache.pages_to_finish(req)
-        extend = req.prompt_len - req.cached_len
-        fits_budget = extend <= self.token_budget or self.chunked_prefill
+        extend = req.seq_len - req.cached_len
+        # A recompute (prompt and outputs, after a preemption) may exceed the budget its
+        # prompt was checked against: it is chunked even with chunked prefill off.
+        fits_budget = extend <= self.token_budget or self.chunked_prefill or req.preemptions > 0
         if not fits_budget or need > self.cache.available_pages - self.reserved_pages:
             self.cache.unmatch(req)
             return False
@@ -46,7 +49,7 @@ class PrefillAdder:
         return self._take_chunk(req)
 
     def _take_chunk(self, req: Req) -> bool:
-        end = min(req.prompt_len, req.cached_len + self.token_budget)
+        end = min(req.seq_len, req.cached_len + self.token_budget)
         self.token_budget -= end - req.cached_len
         self.admitted.append((req, end))
         return True

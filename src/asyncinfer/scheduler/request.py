@@ -9,6 +9,10 @@ from attrs import define, field, frozen
 from asyncinfer.params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# Why a request ended in "error": "invalid", it can never run (a prompt longer than the
+# context, ...), the client's to fix; "engine", the engine failed it (a batch that failed
+# with it alone, a shutdown), the server's.
+ErrorKind = Literal["invalid", "engine"]
 
 
 @define(eq=False)
@@ -19,6 +23,11 @@ class Req:
     ``device_len`` tokens are in its token pool row, counting a sampled token not yet seen
     by the host. ``output_ids`` are the tokens the host has received. ``pages`` covers the
     positions in order; the first ``shared_pages`` belong to the prefix cache.
+
+    A waiting request's prefill computes its whole sequence, ``seq_len`` tokens: the prompt,
+    and for a request sent back to the queue (``preemptions > 0``) the outputs it had
+    produced, so that it continues where it stopped. A ``suspect`` was in a batch that
+    failed: it runs alone until a batch of its own samples a token.
     """
 
     uid: int
@@ -28,13 +37,15 @@ class Req:
     arrival_round: int
     row: int = -1
     cached_len: int = 0
-    prefix_len: int = 0                 # tokens found in the prefix cache at admission
+    prefix_len: int = 0                 # tokens found in the prefix cache at first admission
     output_ids: list[int] = field(factory=list)
     pages: list[int] = field(factory=list)
     shared_pages: int = 0
     prefix_node: Any = None
     device_len: int = 0
     finished: bool = False
+    preemptions: int = 0                # times sent back to the waiting queue
+    suspect: bool = False
 
     @property
     def prompt_len(self) -> int:
@@ -80,6 +91,7 @@ class Event:
     finish_reason: FinishReason | None = None
     error: str | None = None
     prefix_len: int = 0
+    error_kind: ErrorKind | None = None     # with finish_reason "error"
 
     @property
     def finished(self) -> bool:

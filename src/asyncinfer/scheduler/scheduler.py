@@ -1,8 +1,17 @@
 """The scheduler: receive → select (by policy) → prepare → forward → process.
 
 One loop serves the offline ``LLM`` and the online coordinator. It keeps the waiting queue
-(arrival order), the running set (iterated in uid order: set order differs between ranks),
-the request table and the KV cache, and asks a Policy what runs next.
+(arrival order, requests sent back by a preemption in front), the running set (iterated in
+uid order: set order differs between ranks), the request table and the KV cache, and asks a
+Policy what runs next.
+
+A batch whose forward fails harms only its own requests, and only when alone: ``recover``
+sends the members of a failed batch back to the queue (a preemption: their KV is dropped and
+recomputed, their output continues where it stopped) as suspects, and a suspect runs alone
+until a batch of its own succeeds; a request that fails alone is failed. This always ends:
+a lone batch of a suspect completes its prefill and so samples a token, so between two
+failures of batches holding it a request either gains a token (and ``max_tokens`` bounds
+those) or is failed.
 """
 
 from __future__ import annotations
@@ -10,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from attrs import define
+from attrs import define, evolve
 
 from asyncinfer.config import EngineConfig
 from asyncinfer.engine.batch import Batch
@@ -52,7 +61,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.cache = CacheManager(engine.num_pages, engine.page_size, engine.page_table,
                                   config.cache_type)
-        self.waiting: list[Req] = []            # arrival order
+        self.waiting: list[Req] = []            # arrival order, preempted requests first
         self.running: dict[int, Req] = {}       # uid -> request, decoding
         self.free_rows = list(range(engine.max_rows))
         self.round = 0
@@ -66,6 +75,7 @@ class Scheduler:
         # Finished or aborted requests whose row and pages a launched batch may still touch,
         # with the batch they wait for: with overlap, batch N+1 runs while N is processed.
         self._deferred: list[tuple[int, Req, bool]] = []
+        self._suspects: set[int] = set()        # uids of suspects (see recover)
 
     # ---- receive -------------------------------------------------------------------------
 
@@ -85,7 +95,7 @@ class Scheduler:
             error = (f"the prompt has {n} tokens, more than max_extend_tokens="
                      f"{self.config.max_extend_tokens}, and chunked prefill is off")
         if error is not None:
-            self._events.append(Event(uid, None, "error", error))
+            self._events.append(Event(uid, None, "error", error, error_kind="invalid"))
             return
         max_tokens = min(params.max_tokens, ctx - n, capacity - n)
         self.waiting.append(Req(uid, list(prompt_ids), params, max_tokens, self.round))
@@ -96,19 +106,81 @@ class Scheduler:
         With ``notify`` an "abort" event reports it; a frontend that ended the request
         itself (a stop string matched) passes False.
         """
-        index = next((i for i, r in enumerate(self.waiting) if r.uid == uid), None)
-        if index is not None:
-            req = self.waiting.pop(index)
-        elif uid in self.running:
-            req = self.running.pop(uid)
-        else:
+        req = self._remove(uid)
+        if req is None:
             return False
-        req.finished = True
-        if req.admitted:
-            self._release(req, keep=False)
+        self._end(req)
         if notify:
-            self._events.append(Event(uid, None, "abort"))
+            self._events.append(Event(uid, None, "abort", prefix_len=req.prefix_len))
         return True
+
+    def fail(self, uid: int, error: str) -> bool:
+        """End a request with an "error" event of kind "engine" and free what it holds;
+        False if unknown."""
+        req = self._remove(uid)
+        if req is None:
+            return False
+        self._end(req)
+        self._events.append(Event(uid, None, "error", error, req.prefix_len, "engine"))
+        return True
+
+    def preempt(self, uid: int) -> bool:
+        """Send an admitted request back to the front of the waiting queue, to be recomputed;
+        False if it holds nothing (unknown, or waiting for its first admission).
+
+        Its row and pages are released (once no launched batch may touch them) without going
+        into the prefix cache: their KV may be partial, or corrupt after a failed forward. Its
+        progress is reset, so a later prefill recomputes its prompt and the outputs the host
+        has received; what batches launched before now sample for it is dropped. Its output
+        then continues where it stopped: ``max_tokens`` counts the outputs it has, and the
+        sampling step (which keys seeded sampling) resumes at their number, so a greedy or
+        seeded request produces the tokens it would have produced anyway.
+        """
+        req = self.running.get(uid)
+        if req is None:
+            req = next((r for r in self.waiting if r.uid == uid and r.admitted), None)
+            if req is None:
+                return False
+            self.waiting.remove(req)
+        else:
+            del self.running[uid]
+        # A copy holds the row and pages until they are released; the request starts afresh.
+        self._release(evolve(req), keep=False)
+        req.row, req.pages, req.shared_pages, req.prefix_node = -1, [], 0, None
+        req.cached_len = req.device_len = 0
+        req.preemptions += 1
+        self.waiting.insert(0, req)
+        return True
+
+    def recover(self, failed: ScheduledBatch, later: ScheduledBatch | None, error: str) -> None:
+        """Undo ``failed``, a batch whose forward raised, and ``later``, the batch launched
+        after it (its inputs include tokens ``failed`` never wrote). Neither is processed; the
+        caller has waited until neither runs any more, and launched nothing after them.
+
+        A request alone in ``failed`` is failed with ``error``. The other members of
+        ``failed`` become suspects, and they and the members of ``later`` are preempted (see
+        :meth:`preempt`). A suspect's next batch holds it alone (see :meth:`schedule`) and it
+        is cleared once such a batch samples its token. Requests in neither batch go on as if
+        nothing happened.
+        """
+        last = later or failed
+        assert failed.seq == self._processed + 1 and last.seq == self._launched, (
+            "recover the oldest unprocessed batch, and the one launched after it")
+        self._processed = last.seq
+        self.round += last.seq - failed.seq + 1
+        self._release_deferred()
+        alone = failed.batch.size == 1
+        # Reversed: each preempted request goes to the front, so they keep batch order.
+        for req in reversed(self._members(failed)):
+            if alone:
+                self.fail(req.uid, error)
+            else:
+                req.suspect = True
+                self._suspects.add(req.uid)
+                self.preempt(req.uid)
+        if later is not None:
+            for req in reversed(self._members(later)):  # those preempted above hold no row
+                self.preempt(req.uid)
 
     @property
     def has_work(self) -> bool:
@@ -127,7 +199,7 @@ class Scheduler:
         reserved = self._reserved_pages()
         return SchedulerView(
             waiting=tuple(
-                WaitingRequest(r.uid, r.prompt_len, r.prompt_len - r.cached_len, r.max_tokens,
+                WaitingRequest(r.uid, r.seq_len, r.seq_len - r.cached_len, r.remaining_tokens,
                                r.arrival_round, self.round - r.arrival_round, r.admitted)
                 for r in self.waiting),
             running=tuple(RunningRequest(r.uid, r.seq_len, r.remaining_tokens)
@@ -143,24 +215,26 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Ask the policy, then build the batch it chose (or the fallback decode).
 
-        None when there is nothing to run until a batch in flight is processed.
+        While a suspect waits the policy is not asked: the batch is the next prefill (or
+        chunk) of that suspect alone, or, if it does not fit, a decode of the others. A
+        suspect never shares a batch. None when there is nothing to run until a batch in
+        flight is processed.
         """
         if not (self.waiting or self.running):
             return None
-        decision = self.last_decision = self.policy.decide(self.view())
-        batch = None
-        if decision.action == "prefill":
-            batch = self._schedule_prefill(decision)
+        suspect = self._waiting_suspect() if self._suspects else None
+        decision = None
+        if suspect is not None:
+            batch = self._schedule_alone(suspect)
+        else:
+            decision = self.last_decision = self.policy.decide(self.view())
+            batch = self._schedule_prefill(decision) if decision.action == "prefill" else None
         if batch is None:
             batch = self._schedule_decode()
         if batch is None:
             if self.in_flight == 0 and not self.running and not self._deferred:
                 # Nothing runs and nothing will be freed: waiting again would hang.
-                raise EngineError(
-                    f"policy {self.policy.name!r} admitted nothing into an idle engine "
-                    f"(decision {decision.action}, candidates "
-                    f"{list(decision.candidates)[:8]}); a policy must offer a waiting "
-                    "request when nothing is running")
+                raise EngineError(self._stuck(decision, suspect))
             return None
         self._launched += 1
         batch.seq = self._launched
@@ -170,39 +244,51 @@ class Scheduler:
 
     def _schedule_prefill(self, decision: Decision) -> ScheduledBatch | None:
         by_uid = {r.uid: r for r in self.waiting}
-        adder = PrefillAdder(self.cache, self.config.max_extend_tokens, len(self.free_rows),
-                             self._reserved_pages(), self.config.chunked_prefill)
+        adder = self._prefill_adder()
         # A half-prefilled prompt holds pages and a row: resume it before anything else.
         order = [r.uid for r in self.waiting if r.admitted]
         order += [u for u in decision.candidates if u in by_uid and not by_uid[u].admitted]
         for uid in order:
             if not adder.try_add(by_uid[uid]) and decision.on_misfit == "stop":
                 break
-        if not adder.admitted:
-            return None
+        return self._build_prefill(adder) if adder.admitted else None
+
+    def _schedule_alone(self, req: Req) -> ScheduledBatch | None:
+        adder = self._prefill_adder()
+        return self._build_prefill(adder) if adder.try_add(req) else None
+
+    def _prefill_adder(self) -> PrefillAdder:
+        return PrefillAdder(self.cache, self.config.max_extend_tokens, len(self.free_rows),
+                            self._reserved_pages(), self.config.chunked_prefill)
+
+    def _build_prefill(self, adder: PrefillAdder) -> ScheduledBatch:
         for req, end in adder.admitted:
             if req.row == -2:
                 req.row = self.free_rows.pop(0)
-                self.engine.write_prompt(req.row, req.prompt_ids)
-                self.cache.map_prefix(req)
+                self.engine.write_prompt(req.row, req.token_ids())
+                self.cache.admit(req)
             self.cache.allocate(req, end)
         reqs = [req for req, _ in adder.admitted]
         ends = [end for _, end in adder.admitted]
+        # A prefill covers the whole sequence so far (a preempted request's outputs too): it
+        # samples its request's next token, step len(output_ids).
         batch = Batch(rows=[r.row for r in reqs], starts=[r.cached_len for r in reqs],
                       ends=ends, params=[r.params for r in reqs],
-                      steps=[0] * len(reqs),
-                      sample=[e == r.prompt_len for r, e in zip(reqs, ends)])
+                      steps=[len(r.output_ids) for r in reqs],
+                      sample=[e == r.seq_len for r, e in zip(reqs, ends)])
         for req, end in adder.admitted:
             req.cached_len = end
-            if end == req.prompt_len:  # its first token is on the way: it decodes from now on
+            if end == req.seq_len:  # its next token is on the way: it decodes from now on
                 req.device_len = end + 1
                 self.waiting.remove(req)
                 self.running[req.uid] = req
         return ScheduledBatch(batch, reqs, "prefill")
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        # A request whose last token is already launched has nothing left to decode.
-        reqs = [r for r in self._running_in_uid_order() if r.device_len < r.max_len]
+        # A request whose last token is already launched has nothing left to decode; a
+        # suspect whose lone prefill is in flight waits for its result.
+        reqs = [r for r in self._running_in_uid_order()
+                if r.device_len < r.max_len and not r.suspect]
         if not reqs:
             return None
         size = self.engine.page_size
@@ -242,9 +328,15 @@ class Scheduler:
         self.round += 1
         self.tokens_computed += scheduled.batch.num_tokens
         self._release_deferred()
-        for req, sampled, token in zip(scheduled.reqs, scheduled.batch.sample, tokens):
-            if not sampled or req.finished:  # a mid-prompt chunk, or a result nobody awaits
+        batch = scheduled.batch
+        for req, row, sampled, token in zip(scheduled.reqs, batch.rows, batch.sample, tokens):
+            # A mid-prompt chunk, a result nobody awaits, or one for a request preempted
+            # since (it holds another row now, or none).
+            if not sampled or req.finished or req.row != row:
                 continue
+            if req.suspect:  # its lone batch sampled: it batches with the others again
+                req.suspect = False
+                self._suspects.discard(req.uid)
             req.output_ids.append(token)
             reason: FinishReason | None = None
             if token in self.eos_token_ids and not req.params.ignore_eos:
@@ -261,6 +353,39 @@ class Scheduler:
 
     def _running_in_uid_order(self) -> list[Req]:
         return [self.running[uid] for uid in sorted(self.running)]
+
+    def _waiting_suspect(self) -> Req | None:
+        """The suspect to run next: one halfway through a chunked prefill (it holds a row),
+        else the first in the queue; None if every suspect is running."""
+        suspects = [r for r in self.waiting if r.suspect]
+        return next((r for r in suspects if r.admitted), suspects[0] if suspects else None)
+
+    def _stuck(self, decision: Decision | None, suspect: Req | None) -> str:
+        if decision is None:
+            assert suspect is not None
+            return f"request {suspect.uid}, a suspect, does not fit into an idle engine"
+        return (f"policy {self.policy.name!r} admitted nothing into an idle engine "
+                f"(decision {decision.action}, candidates {list(decision.candidates)[:8]}); "
+                "a policy must offer a waiting request when nothing is running")
+
+    def _members(self, scheduled: ScheduledBatch) -> list[Req]:
+        """The requests of a launched batch that still hold the row it ran them in."""
+        return [r for r, row in zip(scheduled.reqs, scheduled.batch.rows)
+                if not r.finished and r.row == row]
+
+    def _remove(self, uid: int) -> Req | None:
+        index = next((i for i, r in enumerate(self.waiting) if r.uid == uid), None)
+        if index is not None:
+            return self.waiting.pop(index)
+        return self.running.pop(uid, None)
+
+    def _end(self, req: Req) -> None:
+        """Mark a request removed from the queues finished and free what it holds."""
+        req.finished = True
+        req.suspect = False
+        self._suspects.discard(req.uid)
+        if req.admitted:
+            self._release(req, keep=False)
 
     def _reserved_pages(self) -> int:
         # Called every round over every active request: plain arithmetic, no properties.
@@ -313,3 +438,5 @@ class Scheduler:
         rows = sorted([r.row for r in active] + self.free_rows)
         assert rows == list(range(self.engine.max_rows)), rows
         assert self._reserved_pages() <= self.cache.available_pages
+        suspects = {r.uid for r in [*self.waiting, *self.running.values()] if r.suspect}
+        assert suspects == self._suspects, (suspects, self._suspects)
