@@ -17,7 +17,7 @@ from asyncinfer.api import RequestMetrics, RequestOutput
 from asyncinfer.errors import EngineError
 from asyncinfer.params import SamplingParams
 from asyncinfer.server import create_app
-from asyncinfer.server.app import METRICS
+from asyncinfer.server.app import METRICS, ServerOptions
 from tests.conftest import engine_under_test
 
 CONTEXT = 64
@@ -28,11 +28,13 @@ class StubTokenizer:
     """One token per character: id = code point (ASCII only in these tests)."""
 
     vocab_size = VOCAB
+    max_token_chars = 1
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         return [ord(c) % VOCAB for c in text]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            special_tokens: bool = True) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return self.encode(text + "<assistant>")
 
@@ -53,6 +55,10 @@ class Stats:
     kv_pages_total: int = 40
     batches_prefill: int = 5
     batches_decode: int = 6
+    prefix_cache_queries: int = 7
+    prefix_cache_hits: int = 2
+    prefix_cache_query_tokens: int = 90
+    prefix_cache_hit_tokens: int = 32
 
 
 @define(slots=False)
@@ -70,9 +76,15 @@ class StubEngine:
     prompts: list[list[int]] = field(factory=list)
     aborted: list[int] = field(factory=list)
     started: asyncio.Event = field(factory=asyncio.Event)
+    abort_everything: asyncio.Event = field(factory=asyncio.Event)
+
+    alive: bool = True
 
     def stats(self) -> Stats:
         return Stats()
+
+    def abort_all(self) -> None:
+        self.abort_everything.set()
 
     async def generate(self, prompt: str | list[int],
                        params: SamplingParams | None = None) -> RequestOutput:
@@ -102,6 +114,12 @@ class StubEngine:
         try:
             for i in range(n):
                 await asyncio.sleep(self.token_delay)
+                if self.abort_everything.is_set():
+                    finished = True
+                    output = RequestOutput(uid, None, prompt, "".join(map(chr, tokens)),
+                                           list(tokens), "abort")
+                    yield Delta("", [], "abort", output)
+                    return
                 tokens.append(ord("a") + i % 26)
                 first = first or time.perf_counter()
                 output = None
@@ -181,7 +199,7 @@ BAD_INPUTS = [
     (CHAT, {}, 400, "messages", None),
     (CHAT, {"messages": "hi"}, 400, "messages", None),
     (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content", None),
-    (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages[0]", None),
+    (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages[0].role", None),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content", None),
     (CHAT, {"messages": OK_CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens",
@@ -277,7 +295,8 @@ async def test_completion_response_shape_and_usage(client: TestClient,
     assert body["model"] == "stub-model"
     assert body["choices"] == [{"index": 0, "text": "abcd", "logprobs": None,
                                 "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert engine.params[0] == SamplingParams(max_tokens=4, temperature=0, top_k=5, min_p=0.1,
                                               seed=3, stop="zz", ignore_eos=True)
 
@@ -290,17 +309,33 @@ async def test_a_single_prompt_in_a_list_is_accepted(client: TestClient,
     assert engine.prompts == [[104, 101, 121], [104, 105], [104, 105]]
 
 
-async def test_chat_response_shape_and_default_length_fills_the_context(
+async def test_chat_response_shape_and_default_length_clamped_to_the_context(
         client: TestClient, engine: StubEngine) -> None:
     resp = await client.post(CHAT, json={"messages": OK_CHAT})
     body = await resp.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     [choice] = body["choices"]
-    assert choice["message"]["role"] == "assistant"
+    assert choice["message"] == {"role": "assistant", "content": choice["message"]["content"],
+                                 "refusal": None}
     prompt_len = len("<user>hi<assistant>")
+    assert engine.params[0].max_tokens == ServerOptions().default_max_tokens
     assert body["usage"] == {"prompt_tokens": prompt_len,
-                             "completion_tokens": CONTEXT - prompt_len, "total_tokens": CONTEXT}
+                             "completion_tokens": CONTEXT - prompt_len, "total_tokens": CONTEXT,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert choice["finish_reason"] == "length"
+
+
+async def test_default_max_tokens_and_its_cap_are_the_servers(engine: StubEngine) -> None:
+    options = ServerOptions(default_max_tokens=5, max_tokens_limit=20)
+    async with TestClient(TestServer(create_app(engine, options=options))) as client:
+        body = await (await client.post(CHAT, json={"messages": OK_CHAT})).json()
+        assert body["usage"]["completion_tokens"] == 5
+        resp = await client.post(CHAT, json={"messages": OK_CHAT, "max_tokens": 21})
+        assert resp.status == 400
+        error = assert_error_shape(await resp.json())
+        assert error["param"] == "max_tokens" and "20" in error["message"]
+        resp = await client.post(C, json={"prompt": "hi", "max_tokens": 20})
+        assert resp.status == 200
 
 
 async def test_max_completion_tokens_wins_over_max_tokens(client: TestClient,
@@ -335,14 +370,16 @@ async def test_chat_stream_starts_with_the_role_and_ends_with_usage(client: Test
     assert last["choices"] == []
     prompt_len = len("<user>hi<assistant>")
     assert last["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 3,
-                             "total_tokens": prompt_len + 3}
+                             "total_tokens": prompt_len + 3,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_native_generate_with_text_and_ids(client: TestClient) -> None:
     resp = await client.post(GEN, json={"prompt": "hey", "sampling_params": {"max_tokens": 2}})
     assert await resp.json() == {"text": "ab", "token_ids": [97, 98], "finish_reason": "length",
                                  "usage": {"prompt_tokens": 3, "completion_tokens": 2,
-                                           "total_tokens": 5}}
+                                           "total_tokens": 5,
+                                           "prompt_tokens_details": {"cached_tokens": 0}}}
     resp = await client.post(GEN, json={"input_ids": [1, 2], "stream": True,
                                         "sampling_params": {"max_tokens": 2}})
     assert resp.content_type == "application/x-ndjson"
@@ -402,7 +439,11 @@ async def test_metrics_exposes_outcomes_tokens_latencies_and_engine_state(
                  "asyncinfer_requests_waiting 1.0", "asyncinfer_requests_running 2.0",
                  "asyncinfer_kv_pages_used 3.0", "asyncinfer_kv_pages_total 40.0",
                  'asyncinfer_batches_total{phase="prefill"} 5.0',
-                 'asyncinfer_batches_total{phase="decode"} 6.0'):
+                 'asyncinfer_batches_total{phase="decode"} 6.0',
+                 "asyncinfer_prefix_cache_queries_total 7.0",
+                 "asyncinfer_prefix_cache_hits_total 2.0",
+                 "asyncinfer_prefix_cache_query_tokens_total 90.0",
+                 "asyncinfer_prefix_cache_hit_tokens_total 32.0"):
         assert line in text
 
 

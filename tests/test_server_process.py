@@ -3,6 +3,8 @@ openai client: text and chat completions, streamed and not, equal LLM.generate's
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -29,37 +31,44 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server(served_model: Path) -> Iterator[str]:
+def start_server(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+    """An `asyncinfer serve` process on a free loopback port, once /health says ok."""
     port = _free_port()
     _, target = engine_under_test()
     cmd = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port),
-           "--model", str(served_model), "--served-model-name", NAME,
+           "--model", str(model), "--served-model-name", NAME,
            "--device", target["device"], "--dtype", target["dtype"],
            "--max-running-requests", "4", "--kv-cache-gb", "0.5",
-           "--cache-type", target["cache_type"]]
+           "--cache-type", target["cache_type"], *extra]
     proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        import urllib.request
+    import urllib.request
 
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                if response.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("server did not come up")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def server(served_model: Path) -> Iterator[str]:
+    proc, url = start_server(served_model)
+    try:
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=60) == 0, "SIGTERM ends the server cleanly"
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +128,42 @@ async def test_aiohttp_client_matches_llm_generate(server: str,
                                 json={"prompt": "x " * 9000, "max_tokens": 4}) as response:
             assert response.status == 400
             assert "error" in await response.json()
+
+
+async def test_sigterm_drains_then_ends_what_is_left_and_exits_0(served_model: Path) -> None:
+    """In flight at SIGTERM: a short request finishes normally; a long stream, still running
+    when --shutdown-timeout passes, ends with an "abort" chunk and [DONE]; a long whole
+    request gets 503. Meanwhile /health is 503 and new requests are refused; then exit 0."""
+    import signal
+
+    import aiohttp
+
+    proc, url = start_server(served_model, "--shutdown-timeout", "3")
+    long = {"prompt": "Count: 1, 2,", "max_tokens": 2000, "ignore_eos": True}
+    try:
+        async with aiohttp.ClientSession() as session:
+            stream = await session.post(f"{url}/v1/completions", json={**long, "stream": True})
+            assert stream.status == 200
+            await stream.content.readline()
+            whole = asyncio.ensure_future(session.post(f"{url}/v1/completions", json=long))
+            short = asyncio.ensure_future(session.post(
+                f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}))
+            await asyncio.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            async with session.get(f"{url}/health") as health:
+                assert health.status == 503
+            async with session.post(f"{url}/v1/completions", json={"prompt": "Hi"}) as late:
+                assert late.status == 503
+            assert (await short).status == 200
+            events = [e for e in (await stream.text()).split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == (
+                "abort")
+            resp = await whole
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "server_shutting_down"
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -6,6 +6,7 @@ character and never leak a stop string.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -47,12 +48,32 @@ class Tokenizer:
         """Number of ids the tokenizer knows, added tokens included."""
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, with the special tokens the tokenizer adds by default."""
-        return list(self.hf.encode(text))
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: the vocabulary's longest entry.
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat rendered by the model's template, ending in the assistant turn."""
+        Byte-level and SentencePiece vocabularies spell each token with at least one symbol
+        per character it covers, so a text of more than ``n * max_token_chars`` characters
+        cannot be ``n`` tokens or fewer.
+        """
+        return max((len(token) for token in self.hf.get_vocab()), default=1)
+
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the special tokens the tokenizer adds by default.
+
+        With ``special_tokens=False`` the text of a special token (``<|im_end|>``) in
+        ``text`` is tokenized as plain text, so untrusted text cannot make control tokens.
+        """
+        return list(self.hf.encode(text, split_special_tokens=not special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            special_tokens: bool = True) -> list[int]:
+        """Token ids of a chat rendered by the model's template, ending in the assistant turn.
+
+        With ``special_tokens=False`` the messages' content is tokenized as plain text: the
+        template's own control tokens stay, but text in a message that spells one does not
+        become it (a user cannot close their turn and open a system one).
+        """
         if not getattr(self.hf, "chat_template", None):
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template; send a plain prompt instead")
@@ -63,14 +84,49 @@ class Tokenizer:
                     and isinstance(message.get("content"), str)):
                 raise InvalidRequestError(
                     f"messages[{i}] must have a string 'role' and a string 'content'")
+        if special_tokens or not any(self._spells_special(m["content"]) for m in messages):
+            return list(self._render(messages, tokenize=True))
+        return self._render_content_as_text(messages)
+
+    def _render(self, messages: list[dict[str, str]], tokenize: bool) -> Any:
         from jinja2 import TemplateError
 
         try:
-            ids = self.hf.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            return self.hf.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=tokenize, return_dict=False)
         except TemplateError as exc:
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from exc
-        return list(ids)
+
+    def _spells_special(self, text: str) -> bool:
+        return any(token in text for token in self._special_texts)
+
+    @functools.cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        """Texts the tokenizer turns into added (special or control) tokens."""
+        return tuple(t for t in self.hf.get_added_vocab() if t)
+
+    def _render_content_as_text(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render with a placeholder per content, then tokenize the template's text with its
+        control tokens and each content as plain text, in order."""
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        while any(self._clash(m["content"], marks) for m in messages):
+            marks = [mark + "\ue002" for mark in marks]
+        rendered = self._render([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                tokenize=False)
+        ids: list[int] = []
+        for message, mark in zip(messages, marks):
+            before, found, rendered = rendered.partition(mark)
+            ids += self.hf.encode(before, add_special_tokens=False)
+            if found:  # a template may drop a message (some drop old reasoning turns)
+                ids += self.hf.encode(message["content"], add_special_tokens=False,
+                                      split_special_tokens=True)
+            else:
+                rendered = before
+        return ids + self.hf.encode(rendered, add_special_tokens=False)
+
+    @staticmethod
+    def _clash(text: str, marks: list[str]) -> bool:
+        return any(mark in text for mark in marks)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; no clean-up of spaces, so decoding is additive at token boundaries."""

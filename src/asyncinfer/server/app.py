@@ -1,32 +1,37 @@
 """The aiohttp application: OpenAI-compatible routes, the native ``/generate``, health, metrics.
 
-Handlers validate and tokenize, then await the engine; a streamed request is relayed delta by
-delta. Headers go out with the first delta, so a request the engine refuses at once (its
-first delta is an error) still gets a plain 400. A client that goes away aborts its request:
-the handler task is cancelled (``handler_cancellation``) or the next write fails, and either
-way the engine's iterator is closed.
+Handlers read the body (within ``body_timeout``), validate it (:mod:`.protocol`), tokenize
+off the event loop, then await the engine; a streamed request is relayed delta by delta.
+Headers go out with the first delta, so a request the engine refuses at once (its first delta
+is an error) still gets a plain error status. A client that goes away aborts its request: the
+handler task is cancelled (``handler_cancellation``) or the next write fails, and either way
+the engine's iterator is closed.
+
+Admission: past ``max_waiting_requests`` queued requests, or while the server drains, a
+generation request gets 503 with ``Retry-After``. :func:`drain` is the graceful shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from attrs import define, frozen
 
 from asyncinfer.errors import ConfigError, EngineError
-from asyncinfer.server import openai
+from asyncinfer.server import openai, protocol
 from asyncinfer.server.errors import (
     APIError,
     bad_request,
-    error_body,
     error_middleware,
     error_payload,
     http_status,
@@ -41,7 +46,57 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 2**20
+
+
+@frozen
+class ServerOptions:
+    """Limits and timeouts of one server (``asyncinfer serve`` flags of the same names).
+
+    ``max_tokens_limit`` None: the context length. ``special_tokens_in_text``: let user text
+    (prompts, chat content) spell control tokens such as ``<|im_end|>``; off, such text is
+    tokenized as plain text.
+    """
+
+    max_waiting_requests: int = 1024
+    default_max_tokens: int = 1024
+    max_tokens_limit: int | None = None
+    body_timeout: float = 30.0
+    special_tokens_in_text: bool = False
+    retry_after: int = 1
+
+
+@define
+class ServerState:
+    """What handlers and the shutdown share: draining, and the generation requests in flight."""
+
+    draining: bool = False
+    in_flight: int = 0
+    admitting: int = 0                  # admitted, not yet handed to the engine
+    idle: asyncio.Event | None = None
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle().clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle().set()
+
+    def _idle(self) -> asyncio.Event:
+        if self.idle is None:
+            self.idle = asyncio.Event()
+            if self.in_flight == 0:
+                self.idle.set()
+        return self.idle
+
+    async def wait_idle(self) -> None:
+        """Return once no generation request is in flight."""
+        await self._idle().wait()
+
+
 METRICS = web.AppKey("metrics", ServerMetrics)
+STATE = web.AppKey("state", ServerState)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -72,6 +127,12 @@ class Engine(Protocol):
     def stream(self, prompt: str | list[int],
                params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]: ...
     def stats(self) -> Any: ...
+    @property
+    def alive(self) -> bool: ...
+    def abort_all(self) -> None: ...
+
+
+ENGINE = web.AppKey("engine", Engine)
 
 
 @frozen
@@ -103,53 +164,115 @@ class _Call:
 CallHandler = Callable[[_Call], Awaitable[web.StreamResponse]]
 
 
-class _Routes:
-    """The request handlers of one app, sharing its engine, model name and metrics."""
+class _Encoder:
+    """The tokenizer behind a thread pool: a long prompt never stalls the event loop (the
+    Rust tokenizer releases the GIL while it works)."""
 
-    def __init__(self, engine: Engine, served_model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, tokenizer: Tokenizer, special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.special_tokens = special_tokens
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="asyncinfer-tokenize")
+
+    async def encode(self, text: str) -> list[int]:
+        return await self._run(functools.partial(
+            self.tokenizer.encode, text, special_tokens=self.special_tokens))
+
+    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return await self._run(functools.partial(
+            self.tokenizer.apply_chat_template, messages, special_tokens=self.special_tokens))
+
+    async def _run(self, work: Callable[[], list[int]]) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, work)
+
+
+Parse = Callable[[dict[str, Any], openai.TextEncoder, protocol.Limits],
+                 Awaitable[openai.GenerationRequest]]
+
+
+class _Routes:
+    """The request handlers of one app, sharing its engine, model name, limits and metrics."""
+
+    def __init__(self, engine: Engine, served_model_name: str, metrics: ServerMetrics,
+                 options: ServerOptions, state: ServerState) -> None:
         if engine.tokenizer is None:
             raise ConfigError("the server needs the model's tokenizer "
                               "(the engine was built with skip_tokenizer_init=True)")
         self.engine = engine
-        self.tokenizer = engine.tokenizer
+        self.encoder = _Encoder(engine.tokenizer, options.special_tokens_in_text)
         self.served_name = served_model_name
         self.metrics = metrics
+        self.options = options
+        self.state = state
+        context = engine.context_len
+        self.limits = protocol.Limits(
+            vocab_size=engine.tokenizer.vocab_size, context_len=context,
+            max_prompt_chars=context * max(1, engine.tokenizer.max_token_chars),
+            max_tokens_limit=min(options.max_tokens_limit or context, context),
+            default_max_tokens=options.default_max_tokens)
 
     def counted(self, handler: CallHandler) -> Handler:
-        """``handler`` as an aiohttp handler that counts each request once, by outcome."""
+        """``handler`` as an aiohttp handler that admits the request, tracks it while in
+        flight, and counts it once, by outcome."""
 
         async def run(request: web.Request) -> web.StreamResponse:
             call = _Call(request)
+            self.state.enter()
             try:
+                self._admit()
                 response = await handler(call)
             except asyncio.CancelledError:
                 self.metrics.record_outcome(call.outcome or "cancelled")
                 raise
             except Exception as exc:
-                # "error" is the engine refusing the request; otherwise the status tells.
-                refused = call.outcome == "error"
-                self.metrics.record_outcome("error" if refused else _outcome(http_status(exc)))
+                # "error" is the engine failing or refusing the request; else the status tells.
+                failed = call.outcome == "error"
+                self.metrics.record_outcome("error" if failed else _outcome(http_status(exc)))
                 raise
+            finally:
+                self.state.leave()
             self.metrics.record_outcome(call.outcome or "failed")
             return response
 
         return run
 
+    def _admit(self) -> None:
+        retry = {"Retry-After": str(self.options.retry_after)}
+        if self.state.draining:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down",
+                           headers=retry)
+        waiting = self.engine.stats().waiting + self.state.admitting
+        if waiting >= self.options.max_waiting_requests:
+            raise APIError(503, f"the server is full: {waiting} requests are waiting (the "
+                                f"limit is {self.options.max_waiting_requests}); retry later",
+                           code="server_overloaded", headers=retry)
+
+    async def _parse(self, call: _Call, parse: Parse) -> openai.GenerationRequest:
+        """Read, validate and tokenize the body; counted as waiting while it happens."""
+        self.state.admitting += 1
+        try:
+            body = await _json_body(call.request, self.options.body_timeout)
+            return await parse(body, self.encoder, self.limits)
+        finally:
+            self.state.admitting -= 1
+
     async def completions(self, call: _Call) -> web.StreamResponse:
-        body = await _json_body(call.request)
-        openai.check_model(body, self.served_name)
-        gen = openai.parse_completion(body, self.tokenizer, self.engine.context_len)
+        gen = await self._parse(call, self._openai_parser(openai.completion))
         return await self._openai(call, gen, openai.Formatter.new(False, self.served_name))
 
     async def chat(self, call: _Call) -> web.StreamResponse:
-        body = await _json_body(call.request)
-        openai.check_model(body, self.served_name)
-        gen = openai.parse_chat(body, self.tokenizer, self.engine.context_len)
+        gen = await self._parse(call, self._openai_parser(openai.chat))
         return await self._openai(call, gen, openai.Formatter.new(True, self.served_name))
 
+    def _openai_parser(self, parse: Parse) -> Parse:
+        async def checked(body: dict[str, Any], encoder: openai.TextEncoder,
+                          limits: protocol.Limits) -> openai.GenerationRequest:
+            openai.check_model(body, self.served_name)
+            return await parse(body, encoder, limits)
+
+        return checked
+
     async def generate(self, call: _Call) -> web.StreamResponse:
-        body = await _json_body(call.request)
-        gen = openai.parse_generate(body, self.tokenizer, self.engine.context_len)
+        gen = await self._parse(call, openai.generate)
 
         def lines(delta: StreamDelta, first: bool) -> list[Any]:
             line: dict[str, Any] = {"text": delta.text, "token_ids": list(delta.token_ids),
@@ -184,9 +307,24 @@ class _Routes:
     async def _run(self, call: _Call, gen: openai.GenerationRequest) -> RequestOutput:
         output = await self.engine.generate(gen.prompt_ids, gen.params)
         self._finished(call, output)
-        if output.finish_reason == "error":
-            raise bad_request(output.error or "the engine refused the request")
+        failure = self._failure(output)
+        if failure is not None:
+            raise failure
         return output
+
+    def _failure(self, output: RequestOutput) -> APIError | None:
+        """The error a finished request is answered with, if it did not succeed: the engine
+        refusing it is the client's (400), the engine failing it is ours (500), and a request
+        ended by the shutdown is 503."""
+        if output.finish_reason == "abort" and self.state.draining:
+            return APIError(503, "the server shut down before the request finished",
+                            code="server_shutting_down")
+        if output.finish_reason != "error":
+            return None
+        message = output.error or "the engine failed the request"
+        if getattr(output, "error_kind", None) == "engine":
+            return APIError(500, message, code="engine_error")
+        return bad_request(message)
 
     def _finished(self, call: _Call, output: RequestOutput) -> None:
         call.outcome = output.finish_reason
@@ -199,19 +337,20 @@ class _Routes:
         try:
             async for delta in deltas:
                 output = delta.output
+                failure = None
                 if output is not None:
                     self._finished(call, output)
-                failed = output is not None and output.finish_reason == "error"
-                message = (output.error if output is not None else None) or "request failed"
+                    failure = self._failure(output) if output.finish_reason == "error" else None
                 first = response is None
                 if response is None:
-                    if failed:
-                        raise bad_request(message)
+                    if failure is not None:
+                        raise failure
                     response = web.StreamResponse(headers={
                         "Content-Type": framing.content_type, "Cache-Control": "no-cache",
                         "X-Accel-Buffering": "no"})
                     await response.prepare(call.request)
-                for obj in [error_body(400, message)] if failed else render(delta, first):
+                frames = [error_payload(failure)[1]] if failure else render(delta, first)
+                for obj in frames:
                     await response.write(framing.frame(obj))
                 if output is not None:
                     break
@@ -249,24 +388,60 @@ class _Routes:
                 "owned_by": "asyncinfer", "max_model_len": self.engine.context_len}
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while the engine loop runs and the server accepts work; 503 otherwise."""
+        if self.state.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        if not self.engine.alive:
+            return web.json_response({"status": "engine stopped"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(protocol.openapi_document(self.limits, self.served_name))
+
 
 _STARTED = int(time.time())
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
+async def _json_body(request: web.Request, timeout: float) -> dict[str, Any]:
+    """The parsed body; 408 if it does not arrive within ``timeout`` seconds, 400 if it is
+    not JSON or holds text that is not valid Unicode (a lone surrogate escape)."""
     try:
-        body = await request.json()
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    try:
+        body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # also bad UTF-8 and absurd nesting
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got "
                           f"{type(body).__name__}")
+    _check_unicode(body, "")
     return body
+
+
+def _check_unicode(value: Any, where: str) -> None:
+    """Refuse strings that cannot be encoded (lone UTF-16 surrogates, which JSON's ``\\ud800``
+    escapes can spell), naming the first field that holds one."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise bad_request(f"{where or 'the body'} is not valid Unicode (it holds a lone "
+                                  "surrogate)", where or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{where}.{key}" if where else str(key)
+            _check_unicode(key, path)
+            _check_unicode(item, path)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{where}[{i}]")
 
 
 async def _close(deltas: AsyncIterator[Any]) -> None:
@@ -277,7 +452,7 @@ async def _close(deltas: AsyncIterator[Any]) -> None:
 
 
 def _outcome(status: int) -> str:
-    return "rejected" if status < 500 else "failed"
+    return "rejected" if status < 500 or status == 503 else "failed"
 
 
 def _auth_middleware(api_key: str) -> Any:
@@ -297,17 +472,21 @@ def _auth_middleware(api_key: str) -> Any:
 
 
 def create_app(engine: Engine, *, api_key: str | None = None,
-               served_model_name: str | None = None) -> web.Application:
+               served_model_name: str | None = None,
+               options: ServerOptions | None = None) -> web.Application:
     """An app serving ``engine``; the caller starts and closes the engine.
 
     With ``api_key`` set, /v1/* and /generate need ``Authorization: Bearer <api_key>``;
-    /health and /metrics stay open. ``served_model_name`` defaults to ``engine.model_name``.
+    /health, /metrics and /openapi.json stay open. ``served_model_name`` defaults to
+    ``engine.model_name``.
     """
+    options = options or ServerOptions()
     metrics = ServerMetrics(engine.stats)
     middlewares = [error_middleware] + ([_auth_middleware(api_key)] if api_key else [])
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
-    app[METRICS] = metrics
-    routes = _Routes(engine, served_model_name or engine.model_name, metrics)
+    state = ServerState()
+    app[METRICS], app[STATE], app[ENGINE] = metrics, state, engine
+    routes = _Routes(engine, served_model_name or engine.model_name, metrics, options, state)
     app.router.add_post("/v1/completions", routes.counted(routes.completions))
     app.router.add_post("/v1/chat/completions", routes.counted(routes.chat))
     app.router.add_post("/generate", routes.counted(routes.generate))
@@ -315,4 +494,28 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     app.router.add_get("/v1/models/{model}", routes.model)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.prometheus)
+    app.router.add_get("/openapi.json", routes.openapi)
+
+    async def stop_tokenizing(app: web.Application) -> None:
+        routes.encoder.pool.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(stop_tokenizing)
     return app
+
+
+async def drain(app: web.Application, timeout: float, grace: float = 10.0) -> bool:
+    """Stop admitting (``/health`` answers 503), let the requests in flight finish for up to
+    ``timeout`` seconds, then end the rest: streams get a last chunk with finish_reason
+    ``abort`` and their end marker, whole responses a 503. True if nothing had to be ended."""
+    state, engine = app[STATE], app[ENGINE]
+    state.draining = True
+    try:
+        await asyncio.wait_for(state.wait_idle(), timeout)
+        return True
+    except asyncio.TimeoutError:
+        logger.warning("%d requests still running after %g s; ending them", state.in_flight,
+                       timeout)
+    engine.abort_all()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(state.wait_idle(), grace)
+    return False

@@ -33,6 +33,26 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("ASYNCINFER_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1/* and /generate "
                             "(default: $ASYNCINFER_API_KEY; unset: no key needed)")
+    limits = serve.add_argument_group("limits and timeouts")
+    limits.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="requests that may wait for the engine; past it a generation "
+                             "request gets 503 with Retry-After")
+    limits.add_argument("--default-max-tokens", type=int, default=1024,
+                        help="output tokens of a chat request that sets no max_tokens")
+    limits.add_argument("--max-tokens-limit", type=int, default=None,
+                        help="the largest max_tokens a request may ask for (default: the "
+                             "context length)")
+    limits.add_argument("--header-timeout", type=float, default=30.0,
+                        help="seconds a connection may take to send a request head, and may "
+                             "stay idle between requests")
+    limits.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request body may take to arrive (then 408)")
+    limits.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM/SIGINT, seconds requests in flight may take to finish "
+                             "before they are ended")
+    limits.add_argument("--special-tokens-in-text", action="store_true",
+                        help="let prompt and chat text spell control tokens such as "
+                             "<|im_end|> (off: such text is tokenized as plain text)")
     engine = serve.add_argument_group("engine options (defaults: the engine's)")
     engine.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     engine.add_argument("--device", default=None, help="cpu or cuda[:N]")

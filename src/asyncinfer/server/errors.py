@@ -24,11 +24,12 @@ class APIError(AsyncInferError):
     """An HTTP-level error the server raises itself: a status, and the request field at fault."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.http_status = status
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -67,9 +68,10 @@ def error_payload(exc: BaseException, request: web.Request | None = None
     if isinstance(exc, AsyncInferError):
         body = error_body(status, str(exc), getattr(exc, "param", None),
                           getattr(exc, "code", None))
+        headers.update(getattr(exc, "headers", {}))
         if status == 401:
             headers["WWW-Authenticate"] = "Bearer"
-        if status >= 500:
+        if status >= 500 and status != 503:
             logger.error("%s: %s", type(exc).__name__, exc)
     elif isinstance(exc, web.HTTPException):
         where = f" ({request.method} {request.path})" if request is not None else ""
@@ -87,7 +89,10 @@ def error_payload(exc: BaseException, request: web.Request | None = None
 def error_response(exc: BaseException, request: web.Request | None = None) -> web.Response:
     """The JSON response for ``exc``."""
     status, body, headers = error_payload(exc, request)
-    return web.json_response(body, status=status, headers=headers)
+    response = web.json_response(body, status=status, headers=headers)
+    if headers.get("Connection") == "close":
+        response.force_close()
+    return response
 
 
 @web.middleware

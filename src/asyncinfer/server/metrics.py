@@ -1,7 +1,8 @@
 """Prometheus metrics of one server: request outcomes, token counts, latencies, engine state.
 
 Each app has its own registry, so several apps (tests) never share counters. Engine state
-(queue lengths, KV pages, batches by phase) is read from ``engine.stats()`` at scrape time.
+(queue lengths, KV pages, batches by phase, prefix cache lookups and hits) is read from
+``engine.stats()`` at scrape time.
 """
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ class _EngineCollector(Collector):
         batches.add_metric(["prefill"], stats.batches_prefill)
         batches.add_metric(["decode"], stats.batches_decode)
         yield batches
+        counters = (
+            ("prefix_cache_queries", "Prefix cache lookups (one per admitted request)",
+             stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix cache lookups that found cached tokens",
+             stats.prefix_cache_hits),
+            ("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
+             stats.prefix_cache_query_tokens),
+            ("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
+             stats.prefix_cache_hit_tokens))
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
 
 
 class ServerMetrics:

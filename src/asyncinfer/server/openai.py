@@ -1,41 +1,32 @@
-"""Request bodies in, validated generation requests out; responses and chunks in OpenAI's shapes.
+"""Validated request models in, engine requests out; responses and chunks in OpenAI's shapes.
 
-Parsing never trusts a field's type: every value a user can get wrong becomes a 400 that
-names the field (``param``), before anything reaches the engine.
+Bodies are validated by :mod:`asyncinfer.server.protocol`; here they become token ids (through
+a :class:`TextEncoder`, which tokenizes off the event loop) and :class:`SamplingParams`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
-from attrs import fields, frozen
+from attrs import frozen
 
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import SamplingParams
+from asyncinfer.server import protocol
 from asyncinfer.server.errors import APIError, bad_request
-from asyncinfer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from asyncinfer.api import RequestOutput
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
-_NATIVE_FIELDS = frozenset(f.name for f in fields(SamplingParams))
-# OpenAI fields that would change the output but are not implemented: refused unless unset.
-_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "echo": lambda v: v in (None, False),
-    "best_of": lambda v: v in (None, 1),
-    "logprobs": lambda v: v in (None, False),
-    "top_logprobs": lambda v: v in (None, 0),
-    "logit_bias": lambda v: not v,
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "suffix": lambda v: v in (None, ""),
-    "tools": lambda v: not v,
-    "response_format": lambda v: v is None or v == {"type": "text"},
-}
+
+class TextEncoder(Protocol):
+    """Tokenizes what users send (off the event loop; their text never makes special tokens)."""
+
+    async def encode(self, text: str) -> list[int]: ...
+    async def chat(self, messages: list[dict[str, str]]) -> list[int]: ...
 
 
 @frozen
@@ -59,85 +50,47 @@ def check_model(body: Mapping[str, Any], served: str) -> None:
                    param="model", code="model_not_found")
 
 
-def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer,
-                     context_len: int) -> GenerationRequest:
+async def completion(body: Mapping[str, Any], encoder: TextEncoder,
+                     limits: protocol.Limits) -> GenerationRequest:
     """A ``/v1/completions`` body; ``max_tokens`` defaults to 16 as in OpenAI's API."""
-    _check_common(body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not _is_token_list(prompt):
-        if len(prompt) != 1:
-            raise bad_request(f"prompt must be one string or one list of token ids; "
-                              f"batches are not supported (got a list of {len(prompt)})",
-                              "prompt")
-        prompt = prompt[0]
-    ids = prompt_ids(prompt, tokenizer, "prompt")
-    max_tokens = _optional(body, "max_tokens")
-    params = sampling_params(body, _SAMPLING_FIELDS, max_tokens=16 if max_tokens is None
-                             else max_tokens, max_tokens_param="max_tokens")
-    return _request(body, ids, params, context_len, "prompt")
+    req = protocol.validate(protocol.CompletionRequest, body, limits)
+    ids = await _prompt_ids(req.prompt, encoder, limits, "prompt")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    params = _params(req.sampling_options(), max_tokens, "max_tokens")
+    return GenerationRequest(ids, params, bool(req.stream), req.include_usage)
 
 
-def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer,
-               context_len: int) -> GenerationRequest:
-    """A ``/v1/chat/completions`` body; without a token limit the reply may fill the context."""
-    _check_common(body)
-    ids = tokenizer.apply_chat_template(chat_messages(body.get("messages")))
-    check_length(ids, context_len, "messages")
-    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
-        "max_tokens")
-    max_tokens = _optional(body, param)
-    params = sampling_params(body, _SAMPLING_FIELDS, max_tokens=context_len - len(ids)
-                             if max_tokens is None else max_tokens, max_tokens_param=param)
-    return _request(body, ids, params, context_len, "messages")
+async def chat(body: Mapping[str, Any], encoder: TextEncoder,
+               limits: protocol.Limits) -> GenerationRequest:
+    """A ``/v1/chat/completions`` body; without a length, the server's default applies."""
+    req = protocol.validate(protocol.ChatCompletionRequest, body, limits)
+    ids = await encoder.chat(req.chat_messages())
+    check_length(ids, limits.context_len, "messages")
+    param = req.length_param
+    max_tokens = getattr(req, param)
+    params = _params(req.sampling_options(), limits.default_max_tokens if max_tokens is None
+                     else max_tokens, param)
+    return GenerationRequest(ids, params, bool(req.stream), req.include_usage)
 
 
-def parse_generate(body: Mapping[str, Any], tokenizer: Tokenizer,
-                   context_len: int) -> GenerationRequest:
+async def generate(body: Mapping[str, Any], encoder: TextEncoder,
+                   limits: protocol.Limits) -> GenerationRequest:
     """The native ``/generate`` body: ``prompt`` or ``input_ids``, ``sampling_params``."""
-    if ("prompt" in body) == ("input_ids" in body):
-        raise bad_request("give exactly one of prompt (a string) and input_ids (token ids)",
-                          "prompt")
-    param = "prompt" if "prompt" in body else "input_ids"
-    value = body[param]
-    if param == "prompt" and not isinstance(value, str):
-        raise bad_request(f"prompt must be a string, got {_kind(value)}", "prompt")
-    if param == "input_ids" and not isinstance(value, list):
-        raise bad_request(f"input_ids must be a list of token ids, got {_kind(value)}",
-                          "input_ids")
-    ids = prompt_ids(value, tokenizer, param)
-    options = {} if body.get("sampling_params") is None else body["sampling_params"]
-    if not isinstance(options, dict):
-        raise bad_request(f"sampling_params must be an object, got {_kind(options)}",
-                          "sampling_params")
-    unknown = sorted(set(options) - _NATIVE_FIELDS)
-    if unknown:
-        raise bad_request(f"unknown sampling parameter(s) {', '.join(unknown)}; known: "
-                          f"{', '.join(sorted(_NATIVE_FIELDS))}", f"sampling_params.{unknown[0]}")
-    for flag in ("ignore_eos", "skip_special_tokens"):
-        _check_bool(options, flag, "sampling_params.")
-    _check_stop(options.get("stop"), "sampling_params.stop")
-    params = _build(options, "sampling_params.")
-    return _request(body, ids, params, context_len, param, include_usage=True)
+    req = protocol.validate(protocol.GenerateRequest, body, limits)
+    param = "prompt" if req.prompt is not None else "input_ids"
+    ids = await _prompt_ids(getattr(req, param), encoder, limits, param)
+    options = req.sampling_params or protocol.NativeSampling()
+    max_tokens = 16 if options.max_tokens is None else options.max_tokens
+    params = _params(options.sampling_options(), max_tokens, "sampling_params.max_tokens")
+    return GenerationRequest(ids, params, bool(req.stream), include_usage=True)
 
 
-def prompt_ids(prompt: Any, tokenizer: Tokenizer, param: str) -> list[int]:
-    """Token ids of a text prompt or a list of token ids, validated against the vocabulary."""
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        vocab = tokenizer.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"{param} has token id {bad[0]} outside the vocabulary "
-                              f"[0, {vocab})", param)
-        ids = list(prompt)
-    elif prompt is None:
-        raise bad_request(f"{param} is required", param)
-    else:
-        raise bad_request(f"{param} must be a string or a list of token ids, got "
-                          f"{_kind(prompt)}", param)
+async def _prompt_ids(prompt: str | list[int], encoder: TextEncoder, limits: protocol.Limits,
+                      param: str) -> list[int]:
+    ids = await encoder.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise bad_request(f"{param} is empty", param)
+    check_length(ids, limits.context_len, param)
     return ids
 
 
@@ -149,116 +102,24 @@ def check_length(ids: list[int], context_len: int, param: str) -> None:
                           f"fit)", param, "context_length_exceeded")
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI chat messages as ``{"role", "content"}`` strings; text parts are joined."""
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list of {role, content} objects",
-                          "messages")
-    result = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request(f"{where} must be an object with a string role", where)
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise bad_request(f"{where}.content: only text parts are supported",
-                                  f"{where}.content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise bad_request(f"{where}.content must be a string or a list of text parts",
-                              f"{where}.content")
-        role = "system" if message["role"] == "developer" else message["role"]
-        result.append({"role": role, "content": content})
-    return result
-
-
-def sampling_params(body: Mapping[str, Any], names: tuple[str, ...], *, max_tokens: Any,
-                    max_tokens_param: str) -> SamplingParams:
-    """SamplingParams from OpenAI fields; ``null`` means the default."""
-    _check_bool(body, "ignore_eos")
-    _check_stop(body.get("stop"), "stop")
-    options = {name: body[name] for name in (*names, "stop", "ignore_eos")
-               if body.get(name) is not None}
-    return _build({**options, "max_tokens": max_tokens}, "",
-                  {"max_tokens": max_tokens_param})
-
-
-def _build(options: Mapping[str, Any], prefix: str,
-           rename: Mapping[str, str] | None = None) -> SamplingParams:
+def _params(options: Mapping[str, Any], max_tokens: int, max_tokens_param: str
+            ) -> SamplingParams:
+    """SamplingParams; the models checked every range, so a refusal here names its field."""
     try:
-        return SamplingParams(**options)
+        return SamplingParams(**options, max_tokens=max_tokens)
     except InvalidRequestError as exc:
-        # SamplingParams' messages start with the field's name.
         name = str(exc).split(" ", 1)[0]
-        param = (rename or {}).get(name, name)
-        raise bad_request(str(exc).replace(name, param, 1), prefix + param
-                          if name in _NATIVE_FIELDS else None) from exc
+        param = max_tokens_param if name == "max_tokens" else name
+        raise bad_request(str(exc), param) from exc
 
 
-def _check_common(body: Mapping[str, Any]) -> None:
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise bad_request(f"n must be 1: this server returns one choice per request, got "
-                          f"{n!r}", "n")
-    for name, is_unset in _UNSUPPORTED.items():
-        if not is_unset(body.get(name)):
-            raise bad_request(f"{name} is not supported by this server", name)
-
-
-def _request(body: Mapping[str, Any], ids: list[int], params: SamplingParams,
-             context_len: int, param: str, include_usage: bool = False) -> GenerationRequest:
-    check_length(ids, context_len, param)
-    _check_bool(body, "stream")
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise bad_request(f"stream_options must be an object, got {_kind(options)}",
-                              "stream_options")
-        _check_bool(options, "include_usage", "stream_options.")
-        include_usage = bool(options.get("include_usage"))
-    return GenerationRequest(ids, params, bool(body.get("stream")), include_usage)
-
-
-def _optional(body: Mapping[str, Any], name: str) -> Any:
-    value = body.get(name)
-    if value is not None and not _is_int(value):
-        raise bad_request(f"{name} must be an integer >= 1, got {value!r}", name)
-    return value
-
-
-def _check_bool(body: Mapping[str, Any], name: str, prefix: str = "") -> None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise bad_request(f"{prefix}{name} must be true or false, got {value!r}",
-                          prefix + name)
-
-
-def _check_stop(stop: Any, param: str) -> None:
-    if stop is None or isinstance(stop, str):
-        return
-    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise bad_request(f"{param} must be a string or a list of strings, got {stop!r}", param)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_token_list(value: list[Any]) -> bool:
-    return bool(value) and all(_is_int(t) for t in value)
-
-
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def usage(output: RequestOutput) -> dict[str, int]:
-    """OpenAI's usage object of a finished request."""
+def usage(output: RequestOutput) -> dict[str, Any]:
+    """OpenAI's usage object of a finished request, with the prompt tokens the prefix cache
+    held (``prompt_tokens_details.cached_tokens``)."""
     prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": output.cached_tokens}}
 
 
 @frozen
@@ -285,7 +146,7 @@ class Formatter:
         choice: dict[str, Any] = {"index": 0, "logprobs": None,
                                   "finish_reason": output.finish_reason}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": output.text}
+            choice["message"] = {"role": "assistant", "content": output.text, "refusal": None}
         else:
             choice["text"] = output.text
         kind = "chat.completion" if self.chat else "text_completion"

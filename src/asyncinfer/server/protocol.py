@@ -1,0 +1,491 @@
+"""The request bodies of the HTTP API as typed models, and the OpenAPI document built from them.
+
+Every field is typed strictly (``"1"`` is not a number, ``true`` is not an integer) and every
+number is range-checked, the ranges that depend on the served model (vocabulary, context)
+through the validation context (:class:`Limits`). A body that fails becomes a 400 naming the
+field at fault (``param``), before any tokenizing or engine work. Fields of OpenAI's API that
+this server does not implement are refused unless they are unset or at their default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from attrs import frozen
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from asyncinfer.params import MIN_TEMPERATURE
+from asyncinfer.server.errors import APIError, bad_request
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@frozen
+class Limits:
+    """What the served model and the server's options allow; the validation context.
+
+    ``max_prompt_chars`` bounds the characters of a text prompt: past it the prompt cannot
+    fit the context whatever it says (no token covers more characters than the vocabulary's
+    longest entry), so it is refused before it is tokenized.
+    """
+
+    vocab_size: int
+    context_len: int
+    max_prompt_chars: int
+    max_tokens_limit: int
+    default_max_tokens: int
+
+
+class _Strict(BaseModel):
+    """Strict types, extra fields ignored (OpenAI clients send fields this server needs not)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _limits(info: ValidationInfo) -> Limits:
+    limits = (info.context or {}).get("limits")
+    assert isinstance(limits, Limits), "validate bodies through protocol.validate"
+    return limits
+
+
+def _integral(value: Any) -> Any:
+    """JSON's ``2.0`` is an integer to JSON Schema: take it as 2 (``2.5`` stays refused)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+_Integral = BeforeValidator(_integral)
+_Temperature = Annotated[Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] | None,
+                         Field(description=f"0 is greedy; a temperature below "
+                                           f"{MIN_TEMPERATURE} is greedy too")]
+_TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None
+_TopK = Annotated[Annotated[int, Field(ge=-1), _Integral] | None,
+                  Field(description="-1 or 0: off; else at most the vocabulary size")]
+_MinP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None
+_Seed = Annotated[Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), _Integral] | None,
+                  Field(description="any integer of 64 bits")]
+_MaxTokens = Annotated[int, Field(ge=1), _Integral] | None
+_One = Annotated[Annotated[int, Field(ge=1, le=1), _Integral] | None,
+                 Field(description="only 1 is supported")]
+_Stop = Annotated[Any, WithJsonSchema({
+    "anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+              {"type": "array", "maxItems": MAX_STOP_STRINGS,
+               "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
+              {"type": "null"}]})]
+
+
+def _check_stop(value: Any) -> Any:
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise ValueError("must be a string or a list of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    if not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise ValueError(f"every stop string must have 1 to {MAX_STOP_CHARS} characters")
+    return value
+
+
+def _check_top_k(value: int | None, info: ValidationInfo) -> int | None:
+    vocab = _limits(info).vocab_size
+    if value is not None and value > vocab:
+        raise ValueError(f"must be -1, 0 (off) or at most the vocabulary size {vocab}")
+    return value
+
+
+def _check_max_tokens(value: int | None, info: ValidationInfo) -> int | None:
+    limit = _limits(info).max_tokens_limit
+    if value is not None and value > limit:
+        raise ValueError(f"must be at most {limit} (this server's limit)")
+    return value
+
+
+class StreamOptions(_Strict):
+    """OpenAI's ``stream_options``."""
+
+    include_usage: bool | None = None
+
+
+_SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
+                     "skip_special_tokens")
+
+
+class _Sampling(_Strict):
+    """The sampling fields every generation route takes, with their ranges."""
+
+    temperature: _Temperature = None
+    top_p: _TopP = None
+    top_k: _TopK = None
+    min_p: _MinP = None
+    seed: _Seed = None
+    stop: _Stop = None
+    ignore_eos: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        return _check_stop(value)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return _check_top_k(value, info)
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The SamplingParams keyword options the body sets (``max_tokens`` aside)."""
+        return {name: value for name in _SAMPLING_OPTIONS
+                if (value := getattr(self, name, None)) is not None}
+
+
+class _OpenAISampling(_Sampling):
+    """The fields completions and chat share: sampling, framing, and refused extras."""
+
+    model: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: _One = None
+    user: str | None = None
+    # Not implemented: refused unless unset or at their default (see _refuse_unsupported).
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, Any] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    suffix: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _OpenAISampling:
+        for name, unset in _UNSUPPORTED.items():
+            if getattr(self, name) not in unset:
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False), "best_of": (None, 1), "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0), "logit_bias": (None, {}), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "suffix": (None, ""), "tools": (None, []),
+    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+}
+
+_PromptSchema = WithJsonSchema({"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+    {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+    {"type": "array", "minItems": 1, "maxItems": 1,
+     "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
+]})
+
+
+class CompletionRequest(_OpenAISampling):
+    """``POST /v1/completions``: one prompt (text or token ids); ``max_tokens`` defaults to 16."""
+
+    prompt: Annotated[Any, _PromptSchema] = Field(
+        description="a string or token ids; a list holding one of them is accepted too")
+    max_tokens: _MaxTokens = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return _check_max_tokens(value, info)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any, info: ValidationInfo) -> str | list[int]:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]
+        elif isinstance(value, list) and value and not _is_int(_integral(value[0])):
+            raise bad_request(f"prompt must be one string or one list of token ids; batches "
+                              f"are not supported (got a list of {len(value)})", "prompt")
+        return check_prompt(value, _limits(info), "prompt")
+
+
+class TextPart(_Strict):
+    """A text part of a chat message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+_CONTENT_SCHEMA = WithJsonSchema({"anyOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"const": "text"}, "text": {"type": "string"}}}}]})
+
+
+class ChatMessage(_Strict):
+    """One chat turn; ``developer`` is read as ``system``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str | list[TextPart], _CONTENT_SCHEMA]
+    name: str | None = None
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _text_only(cls, value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("must be a string or a list of text parts (only text parts are "
+                             "supported)") from None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    """``POST /v1/chat/completions``; without a length the server's default applies."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: _MaxTokens = None
+    max_completion_tokens: _MaxTokens = None
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return _check_max_tokens(value, info)
+
+    @model_validator(mode="after")
+    def _fits_by_characters(self, info: ValidationInfo) -> ChatCompletionRequest:
+        limits = _limits(info)
+        chars = sum(len(m.text()) for m in self.messages)
+        if chars > limits.max_prompt_chars:
+            raise too_long_by_characters(chars, limits, "messages")
+        return self
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """``{"role", "content"}`` strings, as chat templates take them."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+    @property
+    def length_param(self) -> str:
+        """The length field the body uses (``max_completion_tokens`` wins)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else (
+            "max_tokens")
+
+
+class NativeSampling(_Sampling):
+    """``sampling_params`` of ``/generate``: SamplingParams' own fields; others are refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    max_tokens: _MaxTokens = None
+    skip_special_tokens: bool | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return _check_max_tokens(value, info)
+
+
+class GenerateRequest(_Strict):
+    """``POST /generate``: ``prompt`` (text) or ``input_ids``, ``sampling_params``, ``stream``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={
+        "oneOf": [{"required": ["prompt"]}, {"required": ["input_ids"]}]})
+
+    prompt: Annotated[str | None, WithJsonSchema({"type": "string", "minLength": 1})] = None
+    input_ids: Annotated[Any, WithJsonSchema(
+        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}})] = None
+    sampling_params: NativeSampling | None = None
+    stream: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self, info: ValidationInfo) -> GenerateRequest:
+        if (self.prompt is None) == (self.input_ids is None):
+            raise APIError(400, "give exactly one of prompt (a string) and input_ids (token "
+                                "ids)", param="prompt")
+        if self.prompt is not None:
+            check_prompt(self.prompt, _limits(info), "prompt")
+        elif not isinstance(self.input_ids, list):
+            raise bad_request("input_ids must be a list of token ids", "input_ids")
+        else:
+            check_prompt(self.input_ids, _limits(info), "input_ids")
+        return self
+
+
+def check_prompt(value: Any, limits: Limits, param: str) -> str | list[int]:
+    """A text prompt within the character bound, or token ids within the vocabulary and the
+    context; cheap checks first, so an oversized prompt costs no more than its length."""
+    if isinstance(value, str):
+        if not value:
+            raise bad_request(f"{param} is empty", param)
+        if len(value) > limits.max_prompt_chars:
+            raise too_long_by_characters(len(value), limits, param)
+        return value
+    if not isinstance(value, list) or not value:
+        raise bad_request(f"{param} must be a non-empty string or a non-empty list of token "
+                          "ids", param)
+    if len(value) >= limits.context_len:
+        raise bad_request(f"the prompt has {len(value)} tokens but the context length is "
+                          f"{limits.context_len} tokens (prompt and at least one output token "
+                          "must fit)", param, "context_length_exceeded")
+    vocab = limits.vocab_size
+    value = [_integral(t) for t in value]
+    bad = next((t for t in value if not (_is_int(t) and 0 <= t < vocab)), None)
+    if bad is not None:
+        raise bad_request(f"{param} has token id {bad!r} outside the vocabulary [0, {vocab})",
+                          param)
+    return value
+
+
+def too_long_by_characters(chars: int, limits: Limits, param: str) -> APIError:
+    """The refusal of a text that cannot fit the context by its characters alone."""
+    return bad_request(f"the prompt has {chars} characters; no more than "
+                       f"{limits.max_prompt_chars} can fit the context length of "
+                       f"{limits.context_len} tokens", param, "context_length_exceeded")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate(model: type[_Strict], body: Any, limits: Limits) -> Any:
+    """``body`` (parsed JSON) as ``model``; a 400 naming the first field at fault otherwise."""
+    if not isinstance(body, Mapping):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body, context={"limits": limits})
+    except ValidationError as exc:
+        raise _as_api_error(exc) from None
+
+
+def _as_api_error(exc: ValidationError) -> APIError:
+    error = exc.errors(include_url=False)[0]
+    param = _param(error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown field"
+    elif error["type"] == "missing":
+        message = "is required"
+    got = "" if error["type"] in ("missing", "value_error") else f", got {_short(error)}"
+    return bad_request(f"{param or 'body'}: {message}{got}", param)
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """``('messages', 0, 'content')`` as ``messages[0].content``."""
+    param = ""
+    for part in loc:
+        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else part)
+    return param or None
+
+
+def _short(error: Mapping[str, Any]) -> str:
+    text = repr(error.get("input"))
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ---- the OpenAPI document ----------------------------------------------------------------
+
+
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]},
+                   "code": {"type": ["string", "null"]}}}}}
+
+
+def openapi_document(limits: Limits, model: str | None = None) -> dict[str, Any]:
+    """OpenAPI 3.1 for the routes, from the models above, the served limits and the served
+    model's name."""
+    schemas: dict[str, Any] = {"Error": _ERROR_SCHEMA}
+    routes: dict[str, type[BaseModel]] = {
+        "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+        "/generate": GenerateRequest}
+    paths: dict[str, Any] = {}
+    for path, request in routes.items():
+        schema = request.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in schema.pop("$defs", {}).items():
+            schemas[name] = _served(sub, limits, model)
+        schemas[request.__name__] = _served(schema, limits, model)
+        paths[path] = {"post": {
+            "summary": (request.__doc__ or "").split("\n")[0],
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{request.__name__}"}}}},
+            "responses": {
+                "200": {"description": "the result, or a stream of chunks when stream is true"},
+                **{str(s): {"description": d, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/Error"}}}}
+                   for s, d in _ERROR_STATUSES.items()}}}}
+    for path, summary in (("/v1/models", "the served model"), ("/health", "liveness"),
+                          ("/metrics", "Prometheus metrics")):
+        paths[path] = {"get": {"summary": summary, "responses": {
+            "200": {"description": summary}, "503": {"description": "draining or down"}}}}
+    return {"openapi": "3.1.0", "info": {"title": "asyncinfer", "version": "1"}, "paths": paths,
+            "components": {"schemas": schemas}}
+
+
+_ERROR_STATUSES = {400: "a request the client can fix", 401: "a missing or wrong API key",
+                   404: "an unknown model", 408: "the body was not sent in time",
+                   413: "the body is too large", 500: "the engine failed the request",
+                   503: "the server is full or shutting down"}
+
+
+def _served(schema: dict[str, Any], limits: Limits, model: str | None) -> dict[str, Any]:
+    """A model's schema with the served model's bounds filled in, so that what the schema
+    allows is what the server accepts (token ids below the vocabulary, the served name)."""
+    props = schema.get("properties", {})
+    for name, bound in (("top_k", limits.vocab_size), ("max_tokens", limits.max_tokens_limit),
+                        ("max_completion_tokens", limits.max_tokens_limit)):
+        if name in props:
+            for option in props[name].get("anyOf", [props[name]]):
+                if option.get("type") == "integer":
+                    option["maximum"] = bound
+    for name in ("prompt", "input_ids"):
+        if name in props:
+            _bound_prompt(props[name], limits)
+    for name, allowed in _UNSUPPORTED.items():
+        if name in props:
+            props[name] = {"enum": list(allowed), "description": "not supported: unset or "
+                                                                  "its default"}
+    if "model" in props and model is not None:
+        props["model"] = {"anyOf": [{"const": model}, {"type": "null"}]}
+    return schema
+
+
+def _bound_prompt(schema: dict[str, Any], limits: Limits) -> None:
+    if schema.get("type") == "string":
+        schema["maxLength"] = limits.max_prompt_chars
+    if schema.get("type") == "integer":
+        schema["maximum"] = limits.vocab_size - 1
+    if schema.get("type") == "array" and schema.get("items", {}).get("type") == "integer":
+        schema["maxItems"] = limits.context_len - 1
+    for sub in [*schema.get("anyOf", []), schema.get("items", {})]:
+        if isinstance(sub, dict) and sub:
+            _bound_prompt(sub, limits)
+
+
+def max_prompt_chars(context_len: int, max_token_chars: int) -> int:
+    """The most characters a text of ``context_len`` tokens can have."""
+    return context_len * max(1, max_token_chars)
+
