@@ -1,5 +1,7 @@
 """`asyncinfer bench serve` against a fake OpenAI-compatible server on loopback: counts,
-latency statistics, the seeded arrival schedule, goodput, and failures that never crash it."""
+latency statistics, the seeded arrival schedule, goodput, failures that never crash it, and
+the hostile load: clients hanging up mid-stream, then the server's gauges polled until it
+drains."""
 
 from __future__ import annotations
 
@@ -18,7 +20,17 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from asyncinfer.bench.serve import add_parser, arrival_schedule, main, make_requests
+from asyncinfer.bench.serve import (
+    RequestResult,
+    add_parser,
+    arrival_schedule,
+    check_drained,
+    main,
+    make_requests,
+    parse_gauges,
+    plan_hangups,
+    summarize,
+)
 from asyncinfer.errors import AsyncInferError
 
 FAST = 0.002  # seconds before each chunk of a normal request
@@ -29,21 +41,48 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+Gauges = tuple[int, int, int]  # requests_running, requests_waiting, kv_pages_used
+
+
 class FakeServer:
     """Streams ``max_tokens`` chunks of text, after an empty first chunk (as a chat role
     chunk), then a usage chunk and [DONE]; ``plan(k)`` picks how the k-th request (from 0)
-    behaves: ok, 500, slow_ttft, slow_tpot, disconnect, error_frame or hang."""
+    behaves: ok, 500, slow_ttft, slow_tpot, disconnect, error_frame or hang.
 
-    def __init__(self, plan: Callable[[int], str] = lambda k: "ok", usage: bool = True):
-        self.plan, self.usage = plan, usage
+    Records each request's body, the prompts of streams finished to [DONE], and, for streams
+    the client broke off, the prompt and how many text chunks had been written. ``/metrics``
+    serves ``gauges`` one scrape after another, the last one over and over, or waits for all
+    ``barrier`` requests to have arrived when that is set.
+    """
+
+    def __init__(self, plan: Callable[[int], str] = lambda k: "ok", usage: bool = True,
+                 delay: float = FAST, gauges: list[Gauges] | None = None,
+                 barrier: int = 0) -> None:
+        self.plan, self.usage, self.delay = plan, usage, delay
         self.counter = itertools.count()
         self.bodies: list[dict[str, Any]] = []
+        self.finished: list[tuple[int, ...]] = []
+        self.aborted: list[tuple[tuple[int, ...], int]] = []
+        self.gauges, self.scrapes = gauges or [(0, 0, 0)], 0
+        self.barrier, self.in_flight, self.most_in_flight = barrier, 0, 0
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/metrics", self.metrics)
         return app
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        running, waiting, pages = self.gauges[min(self.scrapes, len(self.gauges) - 1)]
+        self.scrapes += 1
+        lines = []
+        for name, value in (("requests_waiting", waiting), ("requests_running", running),
+                            ("kv_pages_used", pages), ("kv_pages_total", 64)):
+            lines += [f"# HELP asyncinfer_{name} {name}", f"# TYPE asyncinfer_{name} gauge",
+                      f"asyncinfer_{name} {float(value)}"]
+        lines.append('asyncinfer_requests_total{outcome="cancelled"} 3.0')
+        return web.Response(text="\n".join(lines) + "\n")
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
@@ -52,6 +91,22 @@ class FakeServer:
         kind = self.plan(next(self.counter))
         body = await request.json()
         self.bodies.append(body)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        written = [0]
+        try:
+            if self.barrier:
+                while len(self.bodies) < self.barrier:
+                    await asyncio.sleep(0.01)
+            return await self.stream(request, kind, body, written)
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.aborted.append((tuple(body["prompt"]), written[0]))
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def stream(self, request: web.Request, kind: str, body: dict[str, Any],
+                     written: list[int]) -> web.StreamResponse:
         if kind == "500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -62,7 +117,7 @@ class FakeServer:
         n = body["max_tokens"]
         for i in range(n):
             slow = (kind == "slow_ttft" and i == 0) or (kind == "slow_tpot" and i > 0)
-            await asyncio.sleep(SLOW if slow else FAST)
+            await asyncio.sleep(SLOW if slow else self.delay)
             if kind == "disconnect" and i == 1:
                 assert request.transport is not None
                 request.transport.close()
@@ -70,6 +125,7 @@ class FakeServer:
             finish = "length" if i == n - 1 else None
             await response.write(_sse({"choices": [{"text": f"t{i} ", "finish_reason": finish}],
                                        "usage": None}))
+            written[0] += 1
         if kind == "error_frame":
             await response.write(_sse({"error": {"message": "engine failed"}}))
         if self.usage:
@@ -77,6 +133,7 @@ class FakeServer:
                 "prompt_tokens": len(body["prompt"]), "completion_tokens": n}}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
+        self.finished.append(tuple(body["prompt"]))
         return response
 
 
@@ -255,3 +312,146 @@ def test_plot_rate_sweep_writes_a_png(tmp_path: Path) -> None:
     results.append({"params": {"policy": "x", "rate": None, "load": "burst"}})
     path = plot_rate_sweep(results, tmp_path / "sweep.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hangups_are_a_seeded_choice_of_the_given_share() -> None:
+    specs = make_requests(1000, (4, 8), (1, 40), seed=3)
+    planned = plan_hangups(specs, 0.3, seed=3)
+    hangups = [s.hangup_after for s in planned if s.hangup_after is not None]
+    assert len(hangups) == 300
+    assert [(s.prompt, s.output_len) for s in planned] == [(s.prompt, s.output_len)
+                                                           for s in specs]
+    assert all(s.hangup_after is None or 1 <= s.hangup_after <= max(1, s.output_len // 2)
+               for s in planned)
+    assert len(set(hangups)) > 10  # K is drawn, not fixed
+    assert planned == plan_hangups(specs, 0.3, seed=3)
+    assert planned != plan_hangups(specs, 0.3, seed=4)
+    assert plan_hangups(specs, 0.0, seed=3) == specs
+    assert sum(s.hangup_after is not None for s in plan_hangups(specs[:7], 0.5, seed=0)) == 4
+
+
+def test_hung_up_requests_break_off_mid_stream_and_are_no_failures(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Slow chunks, so the server is still streaming when it notices the client has gone.
+    server = FakeServer(delay=0.01)
+    status, report = bench(server, tmp_path, "--concurrency", "20", "--num-requests", "20",
+                           "--input-len", "8", "--output-len", "12",
+                           "--hangup-fraction", "0.3", "--seed", "4")
+    planned = plan_hangups(make_requests(20, (8, 8), (12, 12), seed=4), 0.3, seed=4)
+    hang = {s.prompt: s.hangup_after for s in planned if s.hangup_after is not None}
+    assert status == 0
+    assert (report["hung_up"], report["kept"]) == (6, 14)
+    assert (report["completed"], report["failed"], report["errors"]) == (14, 0, {})
+    # The server saw exactly those clients go away, each after their K-th chunk, before its
+    # last; every other stream it finished.
+    assert {prompt for prompt, _ in server.aborted} == set(hang)
+    for prompt, written in server.aborted:
+        assert hang[prompt] <= written < 12
+    assert sorted(server.finished) == sorted(s.prompt for s in planned if s.hangup_after is None)
+    rows = report["requests"]
+    assert [row["hung_up"] for row in rows] == [s.hangup_after is not None for s in planned]
+    kept_e2e = [row["e2e_ms"] for row in rows if not row["hung_up"]]
+    assert all(row["e2e_ms"] is None and row["error"] is None for row in rows if row["hung_up"])
+    assert report["e2e_ms"]["max"] == pytest.approx(max(kept_e2e))
+    assert report["total_output_tokens"] == 14 * 12
+    # A hang-up storm checks the server drained, unless told not to.
+    assert report["params"]["check_drained"] and report["drain"]["clean"]
+    out = capsys.readouterr().out
+    assert "6 hung up mid-stream, 14 kept: 14 completed, 0 failed" in out
+
+
+def test_hung_up_requests_stay_out_of_latencies_and_failures() -> None:
+    def result(ttft: float, e2e: float | None, error: str | None = None,
+               hung_up: bool = False) -> RequestResult:
+        return RequestResult(4, 3, ttft=ttft, e2e=e2e, itl=[0.01, 0.01], output_tokens=3,
+                             error=error, hung_up=hung_up)
+
+    results = [result(0.1, 0.2), result(0.2, 0.4), result(9.0, None, hung_up=True),
+               result(0.3, None, error="stream ended before [DONE]"),
+               result(8.0, None, hung_up=True)]
+    report = summarize(results, duration=2.0)
+    assert (report["hung_up"], report["kept"]) == (2, 3)
+    assert (report["completed"], report["failed"]) == (2, 1)
+    assert report["errors"] == {"stream ended before [DONE]": 1}
+    assert report["ttft_ms"]["max"] == pytest.approx(200.0)
+    assert report["total_output_tokens"] == 6 and report["request_throughput"] == 1.0
+
+
+def test_the_drain_check_polls_the_gauges_until_nothing_runs_or_waits(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    server = FakeServer(gauges=[(5, 3, 40), (2, 0, 12), (0, 1, 3), (0, 0, 0), (9, 9, 9)])
+    status, report = bench(server, tmp_path, "--num-requests", "2", "--output-len", "2",
+                           "--check-drained")
+    assert status == 0 and server.scrapes == 4
+    drain = report["drain"]
+    assert drain["drained"] and drain["clean"] and drain["error"] is None
+    assert (drain["requests_running"], drain["requests_waiting"], drain["kv_pages_used"]) == (
+        0, 0, 0)
+    assert "drained after" in capsys.readouterr().out
+
+
+def test_a_server_that_does_not_drain_fails_the_check(tmp_path: Path) -> None:
+    server = FakeServer(gauges=[(3, 2, 8), (1, 0, 4)])
+    status, report = bench(server, tmp_path, "--num-requests", "2", "--output-len", "2",
+                           "--check-drained", "--drain-timeout", "0.3")
+    assert status == 1 and server.scrapes > 2
+    drain = report["drain"]
+    assert not drain["drained"] and not drain["clean"] and drain["waited_s"] >= 0.3
+    assert (drain["requests_running"], drain["requests_waiting"], drain["kv_pages_used"]) == (
+        1, 0, 4)
+
+
+def test_pages_used_with_nothing_running_are_a_leak(tmp_path: Path) -> None:
+    server = FakeServer(gauges=[(0, 0, 5)])
+    status, report = bench(server, tmp_path, "--num-requests", "2", "--output-len", "2",
+                           "--check-drained", "--drain-timeout", "0.3")
+    drain = report["drain"]
+    assert status == 1 and drain["drained"] and not drain["clean"]
+    assert drain["kv_pages_used"] == 5
+
+
+def test_the_drain_check_runs_only_when_asked_or_after_hangups(tmp_path: Path) -> None:
+    server = FakeServer()
+    _, report = bench(server, tmp_path, "--num-requests", "2", "--output-len", "2")
+    assert report["drain"] is None and server.scrapes == 0
+    _, report = bench(server, tmp_path, "--num-requests", "2", "--output-len", "4",
+                      "--hangup-fraction", "0.5", "--no-check-drained")
+    assert report["drain"] is None and server.scrapes == 0 and report["hung_up"] == 1
+
+
+def test_a_server_without_the_gauges_fails_the_drain_check() -> None:
+    with serving(FakeServer()) as url:
+        drain = asyncio.run(check_drained(f"{url}/elsewhere", timeout=1))
+    assert not drain["drained"] and not drain["clean"]
+    assert "could not read" in drain["error"] and "404" in drain["error"]
+
+
+def test_gauges_are_read_from_prometheus_text() -> None:
+    text = ("# HELP asyncinfer_requests_running Requests holding a slot\n"
+            "# TYPE asyncinfer_requests_running gauge\n"
+            "asyncinfer_requests_running 2.0\n"
+            "asyncinfer_requests_waiting 0.0\n"
+            "asyncinfer_kv_pages_used 17.0\n"
+            "asyncinfer_kv_pages_total 64.0\n"
+            'asyncinfer_requests_total{outcome="cancelled"} 3.0\n')
+    assert parse_gauges(text) == {"requests_running": 2, "requests_waiting": 0,
+                                  "kv_pages_used": 17}
+
+
+def test_a_burst_has_every_stream_open_at_once(tmp_path: Path) -> None:
+    # Each request waits until all have arrived: a connection pool capping the client below
+    # the burst's size would leave the rest queued and the run would time out.
+    n = 300
+    server = FakeServer(barrier=n)
+    status, report = bench(server, tmp_path, "--concurrency", str(n), "--num-requests", str(n),
+                           "--input-len", "4", "--output-len", "2", "--timeout", "20")
+    assert status == 0 and report["completed"] == n
+    assert server.most_in_flight == n
+
+
+@pytest.mark.parametrize("fraction", ["1", "-0.1", "1.5"])
+def test_the_hangup_fraction_is_below_1(fraction: str) -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--hangup-fraction", fraction])

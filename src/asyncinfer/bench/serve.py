@@ -3,6 +3,10 @@
 Requests of random token ids (EOS ignored, so each yields exactly its output length) arrive
 as a seeded Poisson process (``--rate``) or from closed-loop workers (``--concurrency``).
 TTFT, ITL, TPOT and end-to-end latency are measured client-side from the streamed chunks.
+
+A hostile load (``--hangup-fraction``) has a seeded share of the requests close their
+connection mid-stream; afterwards the server's ``/metrics`` gauges tell whether it let go of
+everything those requests held (``--check-drained``).
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ import logging
 import math
 import os
 import random
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from attrs import define, field, frozen
+from attrs import define, evolve, field, frozen
 
 from asyncinfer.errors import AsyncInferError
 
@@ -34,10 +39,12 @@ TOKEN_IDS = (100, 10000)  # as in `bench decode`: clear of special ids, inside r
 
 @frozen
 class RequestSpec:
-    """One request of the workload: its prompt ids and how many tokens it must produce."""
+    """One request of the workload: its prompt ids, how many tokens it must produce, and
+    after how many streamed text chunks the client hangs up (None: it reads to the end)."""
 
     prompt: tuple[int, ...]
     output_len: int
+    hangup_after: int | None = None
 
 
 @define
@@ -53,10 +60,11 @@ class RequestResult:
     itl: list[float] = field(factory=list)
     output_tokens: int = 0
     error: str | None = None
+    hung_up: bool = False  # the client closed the connection mid-stream, as planned
 
     @property
     def ok(self) -> bool:
-        """Streamed to [DONE] with some text and no error."""
+        """Streamed to [DONE] with some text and no error (never true of a hang-up)."""
         return self.error is None and self.e2e is not None
 
     @property
@@ -100,8 +108,21 @@ def make_requests(num_requests: int, input_len: tuple[int, int], output_len: tup
     return specs
 
 
+def plan_hangups(specs: list[RequestSpec], fraction: float, seed: int) -> list[RequestSpec]:
+    """``specs`` with ``round(fraction * len(specs))`` of them, drawn from ``seed``, marked to
+    hang up after K streamed text chunks, K uniform in ``1..max(1, output_len // 2)``: the
+    request is running and holds KV pages by then, and usually has tokens left to produce."""
+    rng = random.Random(f"hangups-{seed}")  # its own stream: same prompts and arrival times
+    chosen = sorted(rng.sample(range(len(specs)), round(fraction * len(specs))))
+    out = list(specs)
+    for i in chosen:
+        out[i] = evolve(specs[i], hangup_after=rng.randint(1, max(1, specs[i].output_len // 2)))
+    return out
+
+
 async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
-                  headers: dict[str, str], result: RequestResult) -> None:
+                  headers: dict[str, str], result: RequestResult,
+                  hangup_after: int | None = None) -> None:
     sent = time.perf_counter()
     last, chunks, usage_tokens = sent, 0, None
     async with session.post(url, json=payload, headers=headers) as response:
@@ -129,6 +150,12 @@ async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, A
                 else:
                     result.itl.append(now - last)
                 last, chunks = now, chunks + 1
+                if chunks == hangup_after:
+                    # Close the socket itself, not release it to the pool: the server must see
+                    # the client go away with its stream unfinished.
+                    response.close()
+                    result.hung_up = True
+                    return
     if result.e2e is None:
         raise _RequestFailed("stream ended before [DONE]")
     if result.ttft is None:
@@ -156,7 +183,7 @@ class _Client:
                                sent=time.perf_counter() - self.start)
         try:
             await asyncio.wait_for(_stream(self.session, self.url, payload, self.headers,
-                                           result), self.timeout)
+                                           result, spec.hangup_after), self.timeout)
         except asyncio.TimeoutError:
             result.error = f"timeout after {self.timeout:g} s"
         except _RequestFailed as exc:
@@ -210,6 +237,27 @@ async def _first_model(session: aiohttp.ClientSession, base: str, headers: dict[
             f"is the server running there? Pass --url, or --model to skip the lookup") from exc
 
 
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _raise_open_files_limit(needed: int) -> None:
+    """Lift the soft limit on open files toward the hard one when ``needed`` sockets would pass
+    it (1024 is a common default): the OS, not the client, would otherwise cap concurrency."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        logger.warning("open files are limited to %d (hard limit), fewer than the %d connections "
+                       "this load may open", target, needed)
+
+
 async def run_load(base: str, model: str | None, specs: list[RequestSpec], *,
                    schedule: list[float] | None = None, concurrency: int | None = None,
                    api_key: str | None = None, timeout: float = 600.0,
@@ -220,10 +268,12 @@ async def run_load(base: str, model: str | None, specs: list[RequestSpec], *,
     import aiohttp
 
     assert (schedule is None) != (concurrency is None), "exactly one of schedule, concurrency"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    # One connection per request that may be in flight: a smaller pool would queue requests
-    # inside the client, and that wait would be counted as the server's TTFT.
-    connector = aiohttp.TCPConnector(limit=concurrency or len(specs))
+    headers = _auth(api_key)
+    # No pool limit (0): every request in flight has its own connection, however many (a
+    # burst of a thousand streams included). A pool would queue requests inside the client,
+    # and that wait would be counted as the server's TTFT.
+    _raise_open_files_limit((concurrency or len(specs)) + 64)
+    connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         if model is None:
@@ -237,6 +287,67 @@ async def run_load(base: str, model: str | None, specs: list[RequestSpec], *,
             assert concurrency is not None
             results = await _closed_loop(client, specs, concurrency)
         return model, results, time.perf_counter() - client.start
+
+
+GAUGES = ("requests_running", "requests_waiting", "kv_pages_used")
+_GAUGE_LINE = re.compile(r"^asyncinfer_(\w+?)(?:\{[^}]*\})?\s+(\S+)")
+
+
+def parse_gauges(text: str) -> dict[str, int]:
+    """The engine gauges of ``GAUGES`` found in a Prometheus text exposition."""
+    found = {}
+    for line in text.splitlines():
+        match = _GAUGE_LINE.match(line)
+        if match and match[1] in GAUGES:
+            found[match[1]] = int(float(match[2]))
+    return found
+
+
+async def check_drained(base: str, *, api_key: str | None = None, timeout: float = 30.0,
+                        interval: float = 0.1, settle: float = 1.0) -> dict[str, Any]:
+    """Poll ``{base}/metrics`` until no request runs or waits, up to ``timeout`` seconds.
+
+    Once nothing runs or waits, polling goes on until ``kv_pages_used`` (which leaves out the
+    prefix cache's pages) is 0 too, for at most ``settle`` seconds, in case a page is freed
+    a round after its request: pages used after that were leaked. Returns ``drained`` (nothing
+    running or waiting at the end), ``clean`` (drained, no page used), the last gauges read,
+    the seconds waited, and ``error`` when ``/metrics`` could not be read or lacked a gauge.
+    """
+    import aiohttp
+
+    start = time.perf_counter()
+    deadline, idle_since = start + timeout, None
+    gauges: dict[str, int] = {}
+    report: dict[str, Any] = {"drained": False, "clean": False, "error": None}
+    async with aiohttp.ClientSession(headers=_auth(api_key)) as session:
+        while True:
+            try:
+                async with session.get(f"{base}/metrics",
+                                       timeout=aiohttp.ClientTimeout(total=10)) as response:
+                    response.raise_for_status()
+                    gauges = parse_gauges(await response.text())
+            except Exception as exc:
+                report["error"] = f"could not read {base}/metrics ({type(exc).__name__}: {exc})"
+                break
+            if missing := [g for g in GAUGES if g not in gauges]:
+                report["error"] = (f"{base}/metrics has no "
+                                   + ", ".join(f"asyncinfer_{g}" for g in missing))
+                break
+            now = time.perf_counter()
+            if gauges["requests_running"] or gauges["requests_waiting"]:
+                idle_since = None
+            else:
+                idle_since = now if idle_since is None else idle_since
+                if gauges["kv_pages_used"] == 0 or now - idle_since >= settle:
+                    break
+            if now >= deadline:
+                break
+            await asyncio.sleep(min(interval, deadline - now))
+    report["drained"] = report["error"] is None and idle_since is not None
+    report["clean"] = report["drained"] and gauges["kv_pages_used"] == 0
+    report.update({g: gauges.get(g) for g in GAUGES})
+    report["waited_s"] = time.perf_counter() - start
+    return report
 
 
 def _percentile(ordered: list[float], q: float) -> float:
@@ -263,14 +374,19 @@ def _meets_slo(r: RequestResult, ttft_ms: float | None, tpot_ms: float | None) -
 
 def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float | None = None,
               slo_tpot_ms: float | None = None) -> dict[str, Any]:
-    """Counts, throughputs, goodput (None without an SLO) and latency statistics in ms."""
-    done = [r for r in results if r.ok]
+    """Counts, throughputs, goodput (None without an SLO) and latency statistics in ms.
+
+    Requests the client hung up on are counted in ``hung_up`` and nowhere else: the rest,
+    ``kept``, are ``completed`` or ``failed`` (``errors`` by label)."""
+    kept = [r for r in results if not r.hung_up]
+    done = [r for r in kept if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
     has_slo = slo_ttft_ms is not None or slo_tpot_ms is not None
     good = sum(_meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in done) if has_slo else None
     return {
-        "completed": len(done), "failed": len(results) - len(done),
-        "errors": dict(Counter(r.error for r in results if r.error is not None)),
+        "hung_up": len(results) - len(kept), "kept": len(kept),
+        "completed": len(done), "failed": len(kept) - len(done),
+        "errors": dict(Counter(r.error for r in kept if r.error is not None)),
         "duration_s": duration,
         "total_input_tokens": sum(r.prompt_len for r in done),
         "total_output_tokens": output_tokens,
@@ -291,7 +407,8 @@ def _request_row(r: RequestResult) -> dict[str, Any]:
 
     return {"sent_s": r.sent, "prompt_len": r.prompt_len, "output_len": r.output_len,
             "output_tokens": r.output_tokens, "ttft_ms": ms(r.ttft), "tpot_ms": ms(r.tpot),
-            "e2e_ms": ms(r.e2e) if r.ok else None, "error": r.error}
+            "e2e_ms": ms(r.e2e) if r.ok else None, "error": r.error,
+            "hung_up": r.hung_up}
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -300,10 +417,12 @@ def format_report(report: dict[str, Any]) -> str:
     load = ("all at once" if p["load"] == "burst" else
             f"{p['concurrency']} closed-loop workers" if p["load"] == "closed_loop" else
             f"Poisson arrivals at {p['rate']:g} req/s")
+    counts = f"{report['completed']} completed, {report['failed']} failed"
+    if p.get("hangup_fraction"):
+        counts = f"{report['hung_up']} hung up mid-stream, {report['kept']} kept: {counts}"
     lines = [
         f"{p['model']} at {p['url']}: {p['num_requests']} requests, {load}",
-        f"{'requests':<12}{report['completed']} completed, {report['failed']} failed "
-        f"in {report['duration_s']:.2f} s",
+        f"{'requests':<12}{counts} in {report['duration_s']:.2f} s",
         f"{'throughput':<12}{report['request_throughput']:.2f} req/s, "
         f"{report['output_throughput']:.1f} output tok/s",
     ]
@@ -317,17 +436,34 @@ def format_report(report: dict[str, Any]) -> str:
     for name in ("ttft", "tpot", "itl", "e2e"):
         cells = ["-" if v is None else f"{v:.1f}" for v in report[f"{name}_ms"].values()]
         lines.append(f"{name.upper():<12}" + "".join(f"{c:>10}" for c in cells))
+    if (drain := report.get("drain")) is not None:
+        lines.append(f"{'drain':<12}{_drain_line(drain)}")
     return "\n".join(lines)
 
 
+def _drain_line(drain: dict[str, Any]) -> str:
+    if drain["error"] is not None:
+        return f"check FAILED: {drain['error']}"
+    gauges = (f"{drain['requests_running']} running, {drain['requests_waiting']} waiting, "
+              f"{drain['kv_pages_used']} KV pages used (prefix cache aside)")
+    if not drain["drained"]:
+        return f"NOT drained after {drain['waited_s']:.1f} s: {gauges}"
+    verdict = "drained" if drain["clean"] else "drained but KV pages LEAKED"
+    return f"{verdict} after {drain['waited_s']:.1f} s: {gauges}"
+
+
 def main(args: argparse.Namespace) -> int:
-    """`asyncinfer bench serve`: run the load, print the table, write ``--json``; exit status 1
-    when no request completed."""
+    """`asyncinfer bench serve`: run the load, check the server drained (see ``--check-drained``),
+    print the table, write ``--json``; exit status 1 when no kept request completed, or when
+    the drain check failed, timed out or found KV pages still used."""
     from tqdm import tqdm
 
     input_len = args.input_len_range or (args.input_len, args.input_len)
     output_len = args.output_len_range or (args.output_len, args.output_len)
     specs = make_requests(args.num_requests, input_len, output_len, args.seed)
+    if args.hangup_fraction:
+        specs = plan_hangups(specs, args.hangup_fraction, args.seed)
+    check = args.check_drained if args.check_drained is not None else args.hangup_fraction > 0
     rate = math.inf if args.rate is None and args.concurrency is None else args.rate
     schedule = None if args.concurrency else arrival_schedule(len(specs), rate, args.seed)
     base = args.url.rstrip("/")
@@ -335,20 +471,26 @@ def main(args: argparse.Namespace) -> int:
         model, results, duration = asyncio.run(run_load(
             base, args.model, specs, schedule=schedule, concurrency=args.concurrency,
             api_key=args.api_key, timeout=args.timeout, on_done=progress.update))
+    drain = None
+    if check:
+        drain = asyncio.run(check_drained(base, api_key=args.api_key,
+                                          timeout=args.drain_timeout))
     load = "closed_loop" if args.concurrency else "burst" if math.isinf(rate) else "poisson"
     params = {"url": base, "model": model, "policy": args.policy, "load": load,
               "rate": None if load != "poisson" else rate, "concurrency": args.concurrency,
               "num_requests": args.num_requests, "input_len": list(input_len),
               "output_len": list(output_len), "seed": args.seed, "slo_ttft_ms": args.slo_ttft_ms,
-              "slo_tpot_ms": args.slo_tpot_ms, "timeout_s": args.timeout}
+              "slo_tpot_ms": args.slo_tpot_ms, "timeout_s": args.timeout,
+              "hangup_fraction": args.hangup_fraction, "check_drained": check,
+              "drain_timeout_s": args.drain_timeout if check else None}
     report = {"benchmark": "serve", "params": params,
               **summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms),
-              "requests": [_request_row(r) for r in results]}
+              "drain": drain, "requests": [_request_row(r) for r in results]}
     print(format_report(report), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if report["completed"] else 1
+    return 0 if report["completed"] and (drain is None or drain["clean"]) else 1
 
 
 def _positive_int(text: str) -> int:
@@ -362,6 +504,20 @@ def _rate(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected requests/s > 0 or 'inf', got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction with 0 <= F < 1, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
     return value
 
 
@@ -391,7 +547,8 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                       help="requests/s as Poisson arrivals; 'inf' sends all at once (default)")
     load.add_argument("--concurrency", type=_positive_int, default=None,
                       help="closed loop: this many workers, each sending its next request when "
-                           "its last one ends")
+                           "its last one ends; with --num-requests equal to it, a burst of that "
+                           "many concurrent streams")
     parser.add_argument("--num-requests", type=_positive_int, default=64)
     parser.add_argument("--input-len", type=_positive_int, default=128,
                         help=f"prompt tokens (random ids in [{TOKEN_IDS[0]}, {TOKEN_IDS[1]}))")
@@ -402,13 +559,27 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--output-len-range", type=_length_range, default=None, metavar="LO,HI",
                         help="uniform random output lengths, replacing --output-len")
     parser.add_argument("--seed", type=int, default=0,
-                        help="draws the prompts, the lengths and the arrival times")
+                        help="draws the prompts, the lengths, the arrival times and the "
+                             "hang-ups")
     parser.add_argument("--slo-ttft-ms", type=float, default=None,
                         help="goodput counts requests with TTFT at most this")
     parser.add_argument("--slo-tpot-ms", type=float, default=None,
                         help="goodput counts requests with TPOT at most this")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds one request may take, from sending to its last chunk")
+    parser.add_argument("--hangup-fraction", type=_fraction, default=0.0, metavar="F",
+                        help="this share of the requests (a seeded choice) closes its "
+                             "connection after K streamed text chunks, K seeded in "
+                             "1..max(1, output_len // 2), reading no further; they are counted "
+                             "as hung up, outside the latencies and the failures (one whose "
+                             "stream ends first just completes). Default 0")
+    parser.add_argument("--check-drained", action=argparse.BooleanOptionalAction, default=None,
+                        help="after the load, poll the server's /metrics until no request runs "
+                             "or waits, and report those gauges and kv_pages_used; exit status "
+                             "1 unless it drains with no KV page used (default: on exactly "
+                             "when --hangup-fraction > 0)")
+    parser.add_argument("--drain-timeout", type=_seconds, default=30.0,
+                        help="seconds --check-drained waits for the server to drain")
     parser.add_argument("--policy", default=None,
                         help="the server's scheduling policy, only recorded in the report "
                              "(plot_rate_sweep draws one line per policy)")
