@@ -11,8 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncinfer.engine.batch import Batch
-from asyncinfer.engine.runner import ForwardOutput
+from asyncinfer.core import Batch, ForwardOutput
 
 EOS = 0
 

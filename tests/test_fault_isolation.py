@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from asyncinfer.api import AsyncEngine, RequestOutput
-from asyncinfer.engine.batch import Batch
-from asyncinfer.engine.runner import ForwardOutput, ModelRunner
+from asyncinfer.core import Batch, ForwardOutput
+from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.params import SamplingParams
 
 MARKER = 499

@@ -9,7 +9,7 @@ import pytest
 
 from asyncinfer.api import LLM
 from asyncinfer.config import EngineConfig
-from asyncinfer.engine.batch import Batch
+from asyncinfer.core import Batch
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.params import SamplingParams
 from tests.hf_reference import hf_greedy, hf_last_logits, load_hf, place_rows

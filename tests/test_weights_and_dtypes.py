@@ -10,7 +10,7 @@ import torch
 
 from asyncinfer.api import LLM
 from asyncinfer.config import EngineConfig
-from asyncinfer.engine.batch import Batch
+from asyncinfer.core import Batch
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.models import source
 from asyncinfer.params import SamplingParams

@@ -15,6 +15,7 @@ from attrs import field, frozen
 
 from asyncinfer.config import EngineConfig
 from asyncinfer.coordinator import Coordinator
+from asyncinfer.core import ErrorKind, FinishReason
 from asyncinfer.engine import create_runner
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.errors import InvalidRequestError
@@ -22,7 +23,6 @@ from asyncinfer.models.source import resolve_model
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import Policy
 from asyncinfer.policies.registry import load_policy
-from asyncinfer.scheduler.request import ErrorKind, FinishReason
 from asyncinfer.scheduler.scheduler import Scheduler
 from asyncinfer.tokenizer import Tokenizer
 

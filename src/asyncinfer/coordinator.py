@@ -27,10 +27,8 @@ from typing import Any
 
 from attrs import define
 
-from asyncinfer.engine.batch import Batch
-from asyncinfer.engine.runner import ForwardOutput
+from asyncinfer.core import Batch, Event, ForwardOutput
 from asyncinfer.params import SamplingParams
-from asyncinfer.scheduler.request import Event
 from asyncinfer.scheduler.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 import torch
 
-from asyncinfer.engine.batch import Batch
+from asyncinfer.core import Batch
 from asyncinfer.kvcache.pool import KVPool
 
 

@@ -8,7 +8,7 @@ import torch
 from attrs import define
 from torch.nn import functional as F
 
-from asyncinfer.engine.batch import Batch
+from asyncinfer.core import Batch
 from asyncinfer.kvcache.pool import KVPool
 
 

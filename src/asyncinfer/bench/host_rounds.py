@@ -23,8 +23,8 @@ import torch
 from asyncinfer.attention.flashinfer_backend import paged_layout
 from asyncinfer.bench.workloads import gpu_offline
 from asyncinfer.config import EngineConfig
-from asyncinfer.engine.batch import Batch
-from asyncinfer.engine.runner import ForwardOutput, host_inputs
+from asyncinfer.core import Batch, ForwardOutput
+from asyncinfer.engine.runner import host_inputs
 from asyncinfer.engine.sampler import Sampler
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.registry import load_policy

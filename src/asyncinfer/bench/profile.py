@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from asyncinfer.engine.batch import Batch
+from asyncinfer.core import Batch
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.params import SamplingParams
 

@@ -31,9 +31,9 @@ from asyncinfer.attention.flashinfer_backend import (
     paged_layout,
 )
 from asyncinfer.config import EngineConfig
-from asyncinfer.engine.batch import Batch
+from asyncinfer.core import Batch, ForwardOutput
 from asyncinfer.engine.cuda_graph import DecodeGraphs
-from asyncinfer.engine.runner import ForwardOutput, HostInputs, ModelRunner, host_inputs
+from asyncinfer.engine.runner import HostInputs, ModelRunner, host_inputs
 from asyncinfer.engine.transfer import pin, upload
 from asyncinfer.errors import ConfigError
 

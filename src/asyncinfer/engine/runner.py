@@ -15,7 +15,7 @@ from attrs import frozen
 from asyncinfer.attention.base import AttentionContext
 from asyncinfer.attention.torch_backend import TorchBackend
 from asyncinfer.config import EngineConfig, ModelConfig
-from asyncinfer.engine.batch import Batch
+from asyncinfer.core import Batch, ForwardOutput
 from asyncinfer.engine.sampler import Sampler
 from asyncinfer.errors import ConfigError
 from asyncinfer.kvcache.pool import KVPool
@@ -25,16 +25,6 @@ from asyncinfer.models.llama import LlamaForCausalLM
 from asyncinfer.models.weights import init_dummy, iter_safetensors
 
 logger = logging.getLogger(__name__)
-
-
-@frozen
-class ForwardOutput:
-    """Sampled token per request (CPU), and the logits they came from: float32, or the
-    model's dtype on the compiled CUDA path (``ModelRunner.logits_dtype``); after a CUDA
-    graph replay, a view of the graph's output that the next replay overwrites."""
-
-    next_tokens: torch.Tensor
-    logits: torch.Tensor
 
 
 class ModelRunner:

@@ -7,8 +7,7 @@ from typing import Protocol
 
 import torch
 
-from asyncinfer.engine.batch import Batch
-from asyncinfer.engine.runner import ForwardOutput
+from asyncinfer.core import Batch, ForwardOutput
 
 
 class Engine(Protocol):

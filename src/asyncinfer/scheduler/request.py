@@ -1,18 +1,12 @@
-"""A request as the scheduler tracks it, and the events it reports back."""
+"""A request as the scheduler tracks it (what a round reports for it is ``core.Event``)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from attrs import define, field, frozen
+from attrs import define, field
 
 from asyncinfer.params import SamplingParams
-
-FinishReason = Literal["stop", "length", "abort", "error"]
-# Why a request ended in "error": "invalid", it can never run (a prompt longer than the
-# context, ...), the client's to fix; "engine", the engine failed it (a batch that failed
-# with it alone, a shutdown), the server's.
-ErrorKind = Literal["invalid", "engine"]
 
 
 @define(eq=False)
@@ -80,20 +74,3 @@ class Req:
     def token_ids(self) -> list[int]:
         """Prompt followed by output."""
         return self.prompt_ids + self.output_ids
-
-
-@frozen
-class Event:
-    """What one round produced for one request: a token, a finish, or both (or an error)."""
-
-    uid: int
-    token: int | None
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    prefix_len: int = 0
-    error_kind: ErrorKind | None = None     # with finish_reason "error"
-
-    @property
-    def finished(self) -> bool:
-        """The request is done; no more events will follow."""
-        return self.finish_reason is not None

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from attrs import define, evolve
 
 from asyncinfer.config import EngineConfig
-from asyncinfer.engine.batch import Batch
+from asyncinfer.core import Batch, Event, FinishReason
 from asyncinfer.errors import EngineError
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import (
@@ -35,7 +35,7 @@ from asyncinfer.policies.base import (
 from asyncinfer.scheduler.cache import CacheManager
 from asyncinfer.scheduler.engine import Engine
 from asyncinfer.scheduler.prefill import PrefillAdder
-from asyncinfer.scheduler.request import Event, FinishReason, Req
+from asyncinfer.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,25 @@
-"""What the runner needs to know about one round: which rows compute which positions."""
+"""The nouns every layer shares: a batch, what a forward returns, and what a round reports
+per request. A leaf: it imports no other asyncinfer module but ``params``, and torch only
+for type hints, so policies, the CLI and the server's parsing load without torch.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from attrs import define, field
+from attrs import define, field, frozen
 
 from asyncinfer.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+# Why a request ended in "error": "invalid", it can never run (a prompt longer than the
+# context, ...), the client's to fix; "engine", the engine failed it (a batch that failed
+# with it alone, a shutdown), the server's.
+ErrorKind = Literal["invalid", "engine"]
 
 
 @define
@@ -59,3 +71,30 @@ class Batch:
     def phase(self) -> Literal["prefill", "decode"]:
         """Decode when every request computes exactly one token."""
         return "decode" if all(n == 1 for n in self.extend_lens) else "prefill"
+
+
+@frozen
+class ForwardOutput:
+    """Sampled token per request (CPU), and the logits they came from: float32, or the
+    model's dtype on the compiled CUDA path (``ModelRunner.logits_dtype``); after a CUDA
+    graph replay, a view of the graph's output that the next replay overwrites."""
+
+    next_tokens: torch.Tensor
+    logits: torch.Tensor
+
+
+@frozen
+class Event:
+    """What one round produced for one request: a token, a finish, or both (or an error)."""
+
+    uid: int
+    token: int | None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prefix_len: int = 0
+    error_kind: ErrorKind | None = None     # with finish_reason "error"
+
+    @property
+    def finished(self) -> bool:
+        """The request is done; no more events will follow."""
+        return self.finish_reason is not None
