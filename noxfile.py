@@ -36,9 +36,12 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
-    """ruff over the package, tests, examples and plugins."""
-    session.install("ruff>=0.6")
-    session.run("ruff", "check", "src", "tests", "examples", "policies", "noxfile.py")
+    """ruff over the package, tests, examples, benchmarks and plugins; the layers contract
+    (docs/architecture.md) over the package's imports."""
+    session.install("ruff>=0.6", "import-linter>=2.0")
+    session.run("ruff", "check", "src", "tests", "examples", "benchmarks", "policies",
+                "noxfile.py")
+    session.run("lint-imports", env={"PYTHONPATH": "src"})
 
 
 @nox.session(python="3.11")
