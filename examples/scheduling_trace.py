@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from asyncinfer import LLM, SamplingParams
-from asyncinfer.engine.batch import Batch
+from asyncinfer.core import Batch
 
 PROMPTS = ["The capital of France is", "List three prime numbers:", "def fibonacci(n):",
            "1 + 1 =", "Once upon a time,"]
