@@ -1,15 +1,21 @@
-"""`asyncinfer generate` on the embedded model, and seeded sampling through the runner."""
+"""`asyncinfer generate` on the embedded model, seeded sampling through the runner, and the
+engine options: declared once on EngineConfig, the commands' flags generated from them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import typing
 from pathlib import Path
 
+import attrs
 import pytest
 
 from asyncinfer.api import LLM
-from asyncinfer.cli import main
-from asyncinfer.config import EngineConfig
+from asyncinfer.cli import build_parser, main
+from asyncinfer.config import OPTION, EngineConfig, OptionInfo
 from asyncinfer.errors import ConfigError, InvalidRequestError
+from asyncinfer.options import engine_option_names, engine_options
 from asyncinfer.params import SamplingParams
 
 
@@ -42,7 +48,8 @@ def test_seeded_request_samples_the_same_tokens_in_any_batch(tiny_llama_dir: Pat
 
 @pytest.mark.parametrize("options", [
     {"page_size": 0}, {"dtype": "int8"}, {"device": "tpu"}, {"kv_cache_gb": -1},
-    {"load_format": "pickle"},
+    {"load_format": "pickle"}, {"cache_type": "lru"}, {"attention_backend": "xformers"},
+    {"cpu_fp32_compute": "yes"}, {"gpu_memory_utilization": 1.5}, {"policy": ""},
 ])
 def test_bad_engine_options_are_config_errors(options: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
@@ -69,3 +76,95 @@ def test_prompt_longer_than_context_finishes_with_a_clear_error(tiny_llama_dir: 
     assert too_long.token_ids == []
     # max_tokens is clamped to what the context leaves: 32 - 20.
     assert fine.finish_reason == "length" and len(fine.token_ids) == 12
+
+
+# ---- engine options: one declaration, every command's flags --------------------------------
+
+
+def test_every_engine_option_is_declared_with_help_and_its_choices_are_its_type() -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    for field in attrs.fields(EngineConfig):
+        info = field.metadata.get(OPTION)
+        assert isinstance(info, OptionInfo) and info.help, field.name
+        literal = typing.get_args(hints[field.name]) if typing.get_origin(
+            hints[field.name]) is typing.Literal else None
+        assert info.choices == literal, field.name
+
+
+def _subparser(*path: str) -> typing.Any:
+    parser: typing.Any = build_parser()
+    for name in path:
+        [sub] = [a for a in parser._actions if a.dest in ("command", "bench")]
+        parser = sub.choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("command, left_out", [
+    (("serve",), set()), (("bench", "offline"), set()), (("bench", "decode"), set()),
+    (("generate",), {"seed", "policy", "policy_options"}),
+])
+def test_commands_take_the_engine_options_from_the_config(
+    command: tuple[str, ...], left_out: set[str],
+) -> None:
+    parser = _subparser(*command)
+    declared = parser.get_default("engine_option_names")
+    assert set(engine_option_names()) - set(declared) == left_out
+    by_dest = {a.dest: a for a in parser._actions}
+    for field in attrs.fields(EngineConfig):
+        if field.name in left_out:
+            continue
+        action = by_dest[field.name]
+        assert action.default is None  # unset: the engine's default applies
+        assert action.choices == field.metadata[OPTION].choices or action.choices is None
+
+
+def test_boolean_options_take_both_spellings_and_given_flags_build_a_valid_config() -> None:
+    parser = build_parser()
+    args = parser.parse_args([
+        "serve", "--model", "m", "--device", "cuda:1", "--dtype", "fp16", "--load-format",
+        "dummy", "--page-size", "32", "--max-running-requests", "8", "--max-seq-len", "512",
+        "--kv-cache-gb", "1.5", "--num-pages", "100", "--seed", "7", "--cache-type", "naive",
+        "--cpu-fp32-compute", "off", "--max-extend-tokens", "256", "--chunked-prefill",
+        "--gpu-memory-utilization", "0.8", "--attention-backend", "torch", "--cuda-graph",
+        "--cuda-graph-max-bs", "4", "--no-torch-compile", "--freeze-gc", "--policy",
+        "decode_first", "--policy-opt", "max_decode_rounds=2", "--overlap"])
+    options = engine_options(args)
+    assert set(options) == set(engine_option_names())
+    config = EngineConfig(**options)
+    assert (config.chunked_prefill, config.cuda_graph, config.torch_compile, config.freeze_gc,
+            config.overlap) == (True, True, False, True, True)
+    assert config.policy_options == {"max_decode_rounds": 2}
+    assert config.kv_cache_gb == 1.5 and config.num_pages == 100 and config.seed == 7
+    hash(config)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--cache-type", "lru"])
+
+
+def test_generate_seed_is_the_requests_not_the_engines() -> None:
+    args = build_parser().parse_args(["generate", "hi", "--seed", "3", "--no-overlap"])
+    assert args.seed == 3
+    assert engine_options(args) == {"overlap": False}
+
+
+def test_a_malformed_policy_option_is_a_config_error() -> None:
+    args = build_parser().parse_args(["serve", "--policy-opt", "aging"])
+    with pytest.raises(ConfigError, match="malformed policy option"):
+        engine_options(args)
+
+
+@pytest.mark.parametrize("command", [
+    [], ["serve"], ["generate"], ["bench"], ["bench", "offline"], ["bench", "decode"],
+    ["bench", "serve"], ["policies"], ["models"],
+], ids=lambda c: " ".join(c) or "asyncinfer")
+def test_help_imports_no_torch(command: list[str]) -> None:
+    script = ("import sys\n"
+              "from asyncinfer.cli import main\n"
+              "try:\n"
+              f"    main({[*command, '--help']!r})\n"
+              "except SystemExit as exc:\n"
+              "    assert exc.code == 0, exc.code\n"
+              "assert 'torch' not in sys.modules, 'torch imported'\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: asyncinfer" in done.stdout

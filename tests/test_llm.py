@@ -84,6 +84,27 @@ def test_plugin_policy_is_found_by_entry_point_and_drives_generation(
     assert [o.token_ids for o in outputs] == expected
 
 
+def test_policy_overlap_and_policy_options_are_engine_config(tiny_llama_dir: Path) -> None:
+    from asyncinfer.errors import ConfigError
+    from asyncinfer.policies import SkipAhead
+
+    llm = tiny_llm(tiny_llama_dir, policy="decode_first",
+                   policy_options={"max_decode_rounds": 2}, overlap=False)
+    assert (llm.config.policy, dict(llm.config.policy_options), llm.config.overlap) == (
+        "decode_first", {"max_decode_rounds": 2}, False)
+    assert llm.policy.name == "decode_first" and llm.engine.overlap is False
+    # A Policy instance is used as given; the config records its name.
+    instance = SkipAhead(aging=0.5)
+    llm = tiny_llm(tiny_llama_dir, policy=instance)
+    assert llm.policy is instance and llm.config.policy == "skip_ahead"
+    assert llm.config.overlap is True and dict(llm.config.policy_options) == {}
+    prompts, max_tokens, expected = cases(tiny_llama_dir)
+    outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+    with pytest.raises(ConfigError, match="policy instance"):
+        tiny_llm(tiny_llama_dir, policy=instance, policy_options={"aging": 1.0})
+
+
 def test_radix_cache_computes_only_the_uncached_suffix(tiny_llama_dir: Path) -> None:
     rng = random.Random(11)
     shared = [rng.randrange(3, 500) for _ in range(30)]

@@ -517,24 +517,27 @@ async def test_official_openai_client(engine: StubEngine) -> None:
 def test_serve_flags_become_engine_options() -> None:
     import argparse
 
+    from asyncinfer.options import engine_options
     from asyncinfer.server.cli import add_serve_parser
-    from asyncinfer.server.main import engine_options
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "--policy", "skip_ahead", "--policy-opt", "aging=0.5",
                               "--port", "9000", "--page-size", "8", "--no-chunked-prefill",
                               "--cache-type", "naive", "--no-overlap"])
-    assert (args.policy, args.policy_opt, args.port, args.no_overlap) == (
-        "skip_ahead", ["aging=0.5"], 9000, True)
+    assert (args.policy, args.policy_options, args.port, args.overlap) == (
+        "skip_ahead", ["aging=0.5"], 9000, False)
+    # Only the flags given become options: the engine's defaults apply to the rest.
     assert engine_options(args) == {"page_size": 8, "cache_type": "naive",
-                                    "chunked_prefill": False}
+                                    "chunked_prefill": False, "policy": "skip_ahead",
+                                    "policy_options": {"aging": 0.5}, "overlap": False}
     gpu = parser.parse_args(["serve", "--device", "cuda", "--attention-backend", "flashinfer",
                              "--gpu-memory-utilization", "0.5", "--no-cuda-graph",
                              "--cuda-graph-max-bs", "32", "--no-torch-compile"])
     assert engine_options(gpu) == {"device": "cuda", "attention_backend": "flashinfer",
                                    "gpu_memory_utilization": 0.5, "cuda_graph": False,
                                    "cuda_graph_max_bs": 32, "torch_compile": False}
+    assert engine_options(parser.parse_args(["serve", "--host", "0.0.0.0"])) == {}
 
 
 # ---- the real engine behind the app (tests/conftest.py: engine_under_test) --------------------

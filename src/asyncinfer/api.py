@@ -8,7 +8,7 @@ import contextlib
 import gc
 import itertools
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from attrs import field, frozen
@@ -97,18 +97,25 @@ class EngineStats:
 class AsyncEngine:
     """The engine in-process: ``await generate(...)`` and ``async for d in stream(...)``.
 
-    Same options as :class:`LLM`, plus ``overlap`` (schedule batch N+1 while batch N runs).
-    Use ``async with AsyncEngine(...) as engine``. Cancelling a task that awaits a request
-    aborts the request and frees its slot and pages.
+    The options are :class:`~asyncinfer.config.EngineConfig`'s, as keywords: among them
+    ``policy`` (a registered name, or a Policy instance: the config then records its name),
+    ``policy_options`` and ``overlap`` (schedule batch N+1 while batch N runs); plus
+    ``skip_tokenizer_init``. Use ``async with AsyncEngine(...) as engine``. Cancelling a
+    task that awaits a request aborts the request and frees its slot and pages.
     """
 
-    def __init__(self, model: str | None = None, *, policy: str | Policy = "prefill_first",
-                 policy_options: Mapping[str, Any] | None = None, overlap: bool = True,
+    def __init__(self, model: str | None = None, *, policy: str | Policy | None = None,
                  skip_tokenizer_init: bool = False, **engine_options: Any) -> None:
+        instance = None
+        if isinstance(policy, str):
+            engine_options["policy"] = policy
+        elif policy is not None:  # checked now, before the model loads
+            instance = load_policy(policy, engine_options.get("policy_options"))
+            engine_options["policy"] = instance.name
         model_dir = resolve_model(model)
         self.model_name = model_dir.name
         self.config = EngineConfig(model=str(model_dir), **engine_options)
-        self.policy = load_policy(policy, policy_options)
+        self.policy = instance or load_policy(self.config.policy, self.config.policy_options)
         # Without a tokenizer prompts must be token ids and outputs carry no text.
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(model_dir)
         self.runner = create_runner(self.config, model_dir)
@@ -116,7 +123,7 @@ class AsyncEngine:
         eos = (self.tokenizer.eos_token_ids if self.tokenizer is not None
                else _config_eos_ids(self.runner.model_config.hf_config))
         self.scheduler = Scheduler(self.runner, self.policy, self.config, eos)
-        self.overlap = overlap
+        self.overlap = self.config.overlap
         self._coordinator: Coordinator | None = None
         self._uids = itertools.count()
         self._froze_gc = self.config.freezes_gc
@@ -285,9 +292,10 @@ class AsyncEngine:
 class LLM:
     """Offline generation: a synchronous front of the same engine the server runs.
 
-    ``LLM(model=None)`` runs the embedded SmolLM2-135M-Instruct. ``policy`` is a registered
-    name (see ``asyncinfer policies``) or a Policy instance; the other options are those of
-    :class:`~asyncinfer.config.EngineConfig`, plus ``overlap`` and ``skip_tokenizer_init``.
+    ``LLM(model=None)`` runs the embedded SmolLM2-135M-Instruct. The options are those of
+    :class:`AsyncEngine`: :class:`~asyncinfer.config.EngineConfig`'s (``policy`` is a
+    registered name, see ``asyncinfer policies``, or a Policy instance), plus
+    ``skip_tokenizer_init``.
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:

@@ -8,6 +8,11 @@ import sys
 from collections.abc import Sequence
 
 from asyncinfer.errors import AsyncInferError
+from asyncinfer.options import add_engine_arguments, engine_options
+
+# `generate` runs one request: one request slot is enough, unless --max-running-requests says.
+GENERATE_DEFAULTS = {"max_running_requests": 1}
+ENGINE_OPTIONS = "engine options"
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -17,8 +22,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=args.stop)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_running_requests=1,
-              kv_cache_gb=args.kv_cache_gb)
+    llm = LLM(**{**GENERATE_DEFAULTS, **engine_options(args)})
     assert llm.tokenizer is not None
     if args.chat:
         prompt: str | list[int] = llm.tokenizer.apply_chat_template(
@@ -77,15 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
     gen.add_argument("prompt")
-    _add_model_args(gen)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt in the model's chat template as a user message")
+    # One request: nothing to schedule; --seed above is the request's, not the engine's.
+    add_engine_arguments(gen, exclude=("seed", "policy", "policy_options"),
+                         title=ENGINE_OPTIONS,
+                         defaults_here={k: str(v) for k, v in GENERATE_DEFAULTS.items()})
     gen.set_defaults(func=_generate)
 
     models = sub.add_parser("models", help="list the models in the cache")
@@ -98,23 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     decode = bench_sub.add_parser(
         "decode", help="single-request and batched decode tokens/s, ours and transformers'")
-    _add_model_args(decode)
     decode.add_argument("--batch-sizes", default="1,8")
     decode.add_argument("--prompt-len", type=int, default=32)
     decode.add_argument("--new-tokens", type=int, default=64)
     decode.add_argument("--repeats", type=int, default=3)
     decode.add_argument("--json", default=None, help="write the results to this file")
+    add_engine_arguments(decode, title=ENGINE_OPTIONS, defaults_here={
+        "max_running_requests": "the largest batch size", "kv_cache_gb": "0.5",
+        "cache_type": "naive"})
     decode.set_defaults(func=_bench_decode)
 
     offline = bench_sub.add_parser(
         "offline", help="offline tokens/s on DESIGN.md's workload, beside transformers and vLLM")
-    _add_model_args(offline)
     offline.add_argument("--workload", choices=["cpu", "gpu"], default="cpu")
-    offline.add_argument("--policy", default="prefill_first")
-    offline.add_argument("--max-running-requests", type=int, default=None,
-                         help="default: 64 on the cpu workload, 256 on the gpu one")
-    offline.add_argument("--max-extend-tokens", type=int, default=None,
-                         help="prefill tokens per round (default: the engine's; 16384 on gpu)")
     offline.add_argument("--shape", choices=["qwen3-0.6b"], default=None,
                          help="gpu workload: a model of this shape with dummy weights")
     offline.add_argument("--temperature", type=float, default=None,
@@ -128,31 +131,23 @@ def build_parser() -> argparse.ArgumentParser:
                          help="gpu: trace kernels over the run (busy vs wall; slows it)")
     offline.add_argument("--peer-budget", type=float, default=400.0,
                          help="gpu: seconds the transformers peer may run")
-    offline.add_argument("--page-size", type=int, default=16)
-    offline.add_argument("--no-torch-compile", action="store_true",
-                         help="gpu: eager elementwise kernels instead of torch.compile's")
-    offline.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     offline.add_argument("--peers", default="transformers,vllm",
                          help="comma-separated peers to run beside us ('' for none)")
     offline.add_argument("--vllm-python", default=None,
                          help="python of a venv with vLLM (bench/setup_vllm_cpu.sh makes one)")
     offline.add_argument("--json", default=None, help="write the results to this file")
+    add_engine_arguments(offline, title=ENGINE_OPTIONS, defaults_here={
+        "device": "cpu on the cpu workload, cuda on the gpu one",
+        "max_running_requests": "64 on the cpu workload, 256 on the gpu one",
+        "max_extend_tokens": "the engine's on cpu, 16384 on gpu",
+        "max_seq_len": "2048",
+        "load_format": "auto; dummy with --shape"})
     offline.set_defaults(func=_bench_offline)
 
     from asyncinfer.bench.serve import add_parser as add_bench_serve_parser
 
     add_bench_serve_parser(bench_sub)
     return parser
-
-
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="local model directory, .gguf file or hub id "
-                             "(default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kv-cache-gb", type=float, default=None,
-                        help="KV cache size (default: 2 GiB on CPU, from free memory on CUDA)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,32 +1,53 @@
-"""Frozen configs: what the model is (read from its config.json) and how the engine runs it."""
+"""Frozen configs: what the model is (read from its config.json) and how the engine runs it.
+
+Every engine option is declared once, as a field of :class:`EngineConfig` made by
+:func:`option`: its default, its validation, and (as field metadata) the help text and the
+choices that :mod:`asyncinfer.options` turns into command-line flags. Importing this module
+does not import torch (``asyncinfer --help`` builds its parsers from these declarations);
+the properties that need torch import it when called.
+"""
+
+# ruff: noqa: RUF009  (option() makes attrs fields; ruff takes it for a mutable default)
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-import torch
-from attrs import field, frozen
+from attrs import NOTHING, Attribute, field, frozen
 
 from asyncinfer.errors import ConfigError, UnsupportedModelError
 
+if TYPE_CHECKING:
+    import torch
+
+# User's names of the supported dtypes → torch's attribute names.
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
 }
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """A torch dtype from a user's name for it ("bf16", "float32", ...)."""
+    import torch
+
     if isinstance(name, torch.dtype):
-        if name not in _DTYPES.values():
+        if name not in (torch.float32, torch.bfloat16, torch.float16):
             raise ConfigError(f"unsupported dtype {name}; use float32, bfloat16 or float16")
         return name
+    return getattr(torch, _dtype_name(name))
+
+
+def _dtype_name(name: str) -> str:
+    """torch's name of a user's dtype name; ConfigError for one it does not know."""
     try:
         return _DTYPES[name.lower()]
-    except KeyError:
+    except (KeyError, AttributeError):
         raise ConfigError(
             f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
 
@@ -77,18 +98,113 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V, all layers, for one token."""
+        import torch
+
         item = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
 
 
-def _positive(_: object, attribute: Any, value: int | None) -> None:
+# ---- declaring an option ---------------------------------------------------------------------
+
+OPTION = "asyncinfer.option"
+"""The key of an :class:`OptionInfo` in an :class:`EngineConfig` field's metadata."""
+
+
+@frozen
+class OptionInfo:
+    """What an option's field carries beyond its name, type and default: its help text, and
+    the few things a command-line flag for it needs that the type does not say."""
+
+    help: str
+    choices: tuple[str, ...] | None = None
+    means: str | None = None    # what a default of None stands for
+    flag: str | None = None     # the flag's spelling, when not --field-name
+    pairs: bool = False         # a mapping, given as repeated KEY=VALUE flags
+
+
+Validator = Callable[[Any, "Attribute[Any]", Any], None]
+
+
+def option(default: Any = NOTHING, *, help: str, means: str | None = None, choices: Any = None,
+           check: Validator | None = None, factory: Callable[[], Any] | None = None,
+           converter: Callable[[Any], Any] | None = None, hash: bool | None = None,
+           flag: str | None = None, pairs: bool = False) -> Any:
+    """An engine option: an attrs field whose metadata holds its :class:`OptionInfo`.
+
+    ``means`` says what a default of None stands for (the help shows it as the default).
+
+    ``choices`` is the ``Literal`` type the field is annotated with: the accepted values
+    are read from it, so the annotation, the check that rejects any other value with a
+    ConfigError, and a flag's ``choices`` all come from one spelling of them. ``check`` is
+    a further attrs validator.
+    """
+    values = tuple(get_args(choices)) if choices is not None else None
+    validators = [v for v in (_one_of(values) if values else None, check) if v is not None]
+    info = OptionInfo(help=help, choices=values, means=means, flag=flag, pairs=pairs)
+    return field(default=default, factory=factory, validator=validators or None,
+                 converter=converter, hash=hash, metadata={OPTION: info})
+
+
+def _one_of(values: tuple[str, ...]) -> Validator:
+    def check(_: object, attribute: Attribute[Any], value: object) -> None:
+        if value not in values:
+            raise ConfigError(f"{attribute.name} must be one of {', '.join(values)}, "
+                              f"got {value!r}")
+    return check
+
+
+def _positive(_: object, attribute: Attribute[Any], value: int | None) -> None:
     if value is not None and value < 1:
         raise ConfigError(f"{attribute.name} must be >= 1, got {value}")
 
 
+def _above_zero(_: object, attribute: Attribute[Any], value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"{attribute.name} must be > 0, got {value}")
+
+
+def _fraction(_: object, attribute: Attribute[Any], value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"{attribute.name} must be in (0, 1], got {value}")
+
+
+def _dtype(_: object, attribute: Attribute[Any], value: Any) -> None:
+    if isinstance(value, str):
+        _dtype_name(value)
+    else:  # a torch.dtype: torch is imported already
+        parse_dtype(value)
+
+
+def _device(_: object, attribute: Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str) or not value.startswith(("cpu", "cuda")):
+        raise ConfigError(f"{attribute.name} must be 'cpu' or 'cuda[:N]', got {value!r}")
+
+
+def _policy_name(_: object, attribute: Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{attribute.name} must be a registered policy's name, got {value!r}")
+
+
+def _read_only(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """A frozen config's mapping: a read-only copy."""
+    return MappingProxyType(dict(value or {}))
+
+
+# The values of the options that take one of a few: the field's annotation, its check and
+# its flag's choices all read them from here.
+LoadFormat = Literal["auto", "dummy"]
+CacheType = Literal["radix", "naive"]
+CpuFp32Compute = Literal["auto", "on", "off"]
+AttentionBackend = Literal["auto", "torch", "flashinfer"]
+
+
 @frozen
 class EngineConfig:
-    """How to run a model: device, dtype, KV cache geometry and limits.
+    """How to run a model: device, dtype, KV cache geometry, limits and scheduling.
+
+    Each field is one option of ``LLM(...)`` and ``AsyncEngine(...)`` and, through
+    :mod:`asyncinfer.options`, one flag of ``asyncinfer serve``, ``generate`` and ``bench``;
+    its help text there is the one declared here.
 
     ``kv_cache_gb`` sizes the page pool from a memory budget; ``num_pages`` overrides it.
     Unset on a GPU, the pool takes what ``gpu_memory_utilization`` (the fraction of the
@@ -112,48 +228,70 @@ class EngineConfig:
     with ``gc.freeze()``; a full collection over them stalled a GPU engine for a third of a
     second mid-run. None: on CUDA, where such a stall idles the device. Closing the engine
     unfreezes the heap, so what it held can be collected.
+    ``policy`` names a registered scheduling policy, built with ``policy_options`` as its
+    keyword arguments; an engine given a Policy instance instead records its name here.
+    ``overlap`` lets the coordinator schedule and launch batch N+1 while batch N runs.
     """
 
-    model: str | None = None
-    device: str = "cpu"
-    dtype: str = "bfloat16"
-    load_format: Literal["auto", "dummy"] = "auto"
-    page_size: int = field(default=16, validator=_positive)
-    max_running_requests: int = field(default=64, validator=_positive)
-    max_seq_len: int | None = field(default=None, validator=_positive)
-    kv_cache_gb: float | None = None
-    num_pages: int | None = field(default=None, validator=_positive)
-    seed: int = 0
-    cache_type: Literal["radix", "naive"] = "radix"
-    cpu_fp32_compute: Literal["auto", "on", "off"] = "auto"
-    max_extend_tokens: int = field(default=4096, validator=_positive)
-    chunked_prefill: bool = True
-    gpu_memory_utilization: float = 0.9
-    attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
-    cuda_graph: bool = True
-    cuda_graph_max_bs: int | None = field(default=None, validator=_positive)
-    torch_compile: bool = True
-    freeze_gc: bool | None = None
-
-    def __attrs_post_init__(self) -> None:
-        parse_dtype(self.dtype)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError("gpu_memory_utilization must be in (0, 1], got "
-                              f"{self.gpu_memory_utilization}")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ConfigError("attention_backend must be auto, torch or flashinfer, got "
-                              f"{self.attention_backend!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
-            raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
-        if self.cpu_fp32_compute not in ("auto", "on", "off"):
-            raise ConfigError(
-                f"cpu_fp32_compute must be auto, on or off, got {self.cpu_fp32_compute!r}")
-        if self.cache_type not in ("radix", "naive"):
-            raise ConfigError(f"cache_type must be 'radix' or 'naive', got {self.cache_type!r}")
-        if not self.device.startswith(("cpu", "cuda")):
-            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+    model: str | None = option(None, help="local model directory, .gguf file or hub id",
+                               means="the embedded SmolLM2-135M-Instruct")
+    device: str = option("cpu", check=_device, help="cpu or cuda[:N]")
+    dtype: str = option("bfloat16", check=_dtype,
+                        help="the dtype of weights, activations and the KV cache: float32, "
+                             "bfloat16 or float16 (or fp32, bf16, fp16, half)")
+    load_format: LoadFormat = option("auto", choices=LoadFormat,
+                                     help="dummy: random weights of the real shapes "
+                                          "(benchmarks)")
+    page_size: int = option(16, check=_positive, help="tokens per KV page")
+    max_running_requests: int = option(64, check=_positive,
+                                       help="request slots (rows of the page table)")
+    max_seq_len: int | None = option(None, check=_positive, help="longest prompt + output",
+                                     means="the model's context, at most 8192")
+    kv_cache_gb: float | None = option(
+        None, check=_above_zero,
+        help="KV cache size in GiB",
+        means="2 on CPU; on CUDA what gpu_memory_utilization leaves after weights and "
+              "activations")
+    num_pages: int | None = option(None, check=_positive,
+                                   help="KV cache size in pages (overrides kv_cache_gb)")
+    seed: int = option(0, help="seed of the engine's sampling for requests that set none, "
+                               "and of dummy weights")
+    cache_type: CacheType = option("radix", choices=CacheType,
+                                   help="radix shares prompt prefixes between requests; "
+                                        "naive does not")
+    cpu_fp32_compute: CpuFp32Compute = option(
+        "auto", choices=CpuFp32Compute,
+        help="on a CPU, run a bf16/fp16 model's matrix products and attention in float32 "
+             "kernels: when the CPU lacks half-precision units (auto), always or never")
+    max_extend_tokens: int = option(4096, check=_positive,
+                                    help="prefill tokens one round may compute")
+    chunked_prefill: bool = option(True, help="split a prompt longer than max_extend_tokens "
+                                              "across rounds (off: refuse it)")
+    gpu_memory_utilization: float = option(
+        0.9, check=_fraction,
+        help="share of GPU memory the engine may hold; the KV cache takes what weights and "
+             "activations leave")
+    attention_backend: AttentionBackend = option(
+        "auto", choices=AttentionBackend,
+        help="flashinfer (CUDA, bf16/fp16), torch (SDPA, the reference) or auto: "
+             "flashinfer on CUDA when installed")
+    cuda_graph: bool = option(True, help="replay decode as CUDA graphs (flashinfer backend); "
+                                         "off: run it eagerly")
+    cuda_graph_max_bs: int | None = option(None, check=_positive,
+                                           help="largest decode batch captured as a CUDA "
+                                                "graph", means="the running limit")
+    torch_compile: bool = option(True, help="fuse norms, rotary, SiLU and sampling with "
+                                            "torch.compile (CUDA, half precision); off: "
+                                            "separate eager kernels")
+    freeze_gc: bool | None = option(None, help="after start-up, take every object alive out "
+                                               "of the garbage collector's reach",
+                                    means="on CUDA")
+    policy: str = option("prefill_first", check=_policy_name,
+                         help="scheduling policy (see `asyncinfer policies`)")
+    policy_options: Mapping[str, Any] = option(
+        factory=dict, converter=_read_only, hash=False, flag="--policy-opt", pairs=True,
+        help="an option of the policy (repeatable), e.g. --policy-opt aging=0.5")
+    overlap: bool = option(True, help="schedule the next batch while one runs")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -163,6 +301,8 @@ class EngineConfig:
     @property
     def fp32_kernels(self) -> bool:
         """Whether half-precision values go through float32 kernels (see the docstring)."""
+        import torch
+
         if not self.device.startswith("cpu") or self.torch_dtype == torch.float32:
             return False
         if self.cpu_fp32_compute != "auto":
@@ -177,6 +317,8 @@ class EngineConfig:
     @property
     def compiles(self) -> bool:
         """Whether the engine runs its fused layer and sampling ops through torch.compile."""
+        import torch
+
         return self.torch_compile and self.is_cuda and self.torch_dtype != torch.float32
 
     @property
@@ -189,6 +331,8 @@ class EngineConfig:
         """The backend "auto" stands for here: flashinfer on CUDA when importable."""
         if self.attention_backend != "auto":
             return self.attention_backend
+        import torch
+
         if (self.is_cuda and self.torch_dtype != torch.float32
                 and importlib.util.find_spec("flashinfer") is not None):
             return "flashinfer"
@@ -202,6 +346,8 @@ class EngineConfig:
 
 def _cpu_has_native(dtype: torch.dtype) -> bool:
     """True when this CPU multiplies ``dtype`` in hardware (AVX-512 BF16/FP16 or AMX)."""
+    import torch
+
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(next((line for line in f if line.startswith("flags")), "").split())

@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,9 +32,11 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def run(model: str | None, device: str, dtype: str, batch_sizes: list[int], prompt_len: int,
-        new_tokens: int, repeats: int) -> dict[str, object]:
-    """Tokens/s of ours and of transformers for each batch size."""
+def run(model: str | None, batch_sizes: list[int], prompt_len: int, new_tokens: int,
+        repeats: int, **options: Any) -> dict[str, object]:
+    """Tokens/s of ours and of transformers for each batch size; ``options`` are the
+    engine's (by default: a slot per request of the largest batch, a 0.5 GiB KV cache, no
+    prefix cache, since every prompt is new)."""
     from transformers import AutoModelForCausalLM
 
     from asyncinfer.api import LLM
@@ -41,8 +44,10 @@ def run(model: str | None, device: str, dtype: str, batch_sizes: list[int], prom
     from asyncinfer.params import SamplingParams
 
     model_dir = resolve_model(model)
-    llm = LLM(str(model_dir), device=device, dtype=dtype, max_running_requests=max(batch_sizes),
-              kv_cache_gb=0.5, cache_type="naive")
+    options = {"max_running_requests": max(batch_sizes), "kv_cache_gb": 0.5,
+               "cache_type": "naive", **options}
+    llm = LLM(str(model_dir), **options)
+    device, dtype = llm.config.device, llm.config.dtype
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=llm.config.torch_dtype).eval()
     hf = hf.to(device)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -79,9 +84,11 @@ def run(model: str | None, device: str, dtype: str, batch_sizes: list[int], prom
 
 def main(args: argparse.Namespace) -> int:
     """`asyncinfer bench decode`."""
-    result = run(args.model, args.device, args.dtype,
-                 [int(b) for b in args.batch_sizes.split(",")], args.prompt_len,
-                 args.new_tokens, args.repeats)
+    from asyncinfer.options import engine_options
+
+    options = engine_options(args)
+    result = run(options.pop("model", None), [int(b) for b in args.batch_sizes.split(",")],
+                 args.prompt_len, args.new_tokens, args.repeats, **options)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

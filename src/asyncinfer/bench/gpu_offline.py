@@ -198,28 +198,32 @@ def main(args: Any) -> int:
     from asyncinfer.bench.profile import profile_decode_step
     from asyncinfer.bench.util import git_commit
     from asyncinfer.bench.workloads import gpu_offline
+    from asyncinfer.config import EngineConfig
     from asyncinfer.models.source import resolve_model
+    from asyncinfer.options import engine_options
     from asyncinfer.params import SamplingParams
 
     prompts, max_tokens = gpu_offline()
     temperature = 0.6 if args.temperature is None else args.temperature
+    # The workload's defaults, then the engine options given on the command line.
+    options: dict[str, Any] = {"device": "cuda", "max_running_requests": 256,
+                               "max_seq_len": 2048, "max_extend_tokens": 16384,
+                               **engine_options(args)}
+    model = options.pop("model", None)
+    if args.shape:
+        options["load_format"] = "dummy"
     model_dir = (shape_dir(args.shape, Path(tempfile.mkdtemp())) if args.shape
-                 else resolve_model(args.model))
-    device = torch.device(args.device)
-    max_running = args.max_running_requests or 256
-    options: dict[str, Any] = {
-        "device": args.device, "dtype": args.dtype, "policy": args.policy,
-        "max_running_requests": max_running, "page_size": args.page_size,
-        "load_format": "dummy" if args.shape else args.load_format, "max_seq_len": 2048,
-        "max_extend_tokens": args.max_extend_tokens or 16384,
-        "torch_compile": not args.no_torch_compile}
+                 else resolve_model(model))
+    config = EngineConfig(**options)  # the options in full, checked before any model loads
+    device = torch.device(config.device)
+    max_running = config.max_running_requests
     bandwidth = copy_bandwidth(device)
     floor = bandwidth_floor(model_dir, prompts, max_tokens, bandwidth, max_running)
     log(f"bandwidth floor: {json.dumps(floor)}")
     start = time.perf_counter()
     llm = LLM(str(model_dir), skip_tokenizer_init=True, **options)
     startup = time.perf_counter() - start
-    llm.generate(warm_up_prompts(options["max_extend_tokens"]),
+    llm.generate(warm_up_prompts(config.max_extend_tokens),
                  SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
               for n in max_tokens]
@@ -263,14 +267,14 @@ def main(args: Any) -> int:
     peer = None
     if "transformers" in args.peers:
         try:
-            peer = run_transformers_cb(model_dir, prompts, max_tokens, args.device,
+            peer = run_transformers_cb(model_dir, prompts, max_tokens, config.device,
                                        args.peer_budget)
         except Exception as exc:  # report a peer that could not run, do not lose our numbers
             peer = {"engine": "transformers continuous batching", "error": repr(exc)}
         log(json.dumps(peer))
     report = {
         "benchmark": "offline-gpu (nano-vllm workload)", "model": f"{model_dir.name} "
-        f"({'dummy weights' if args.shape else args.load_format})", "dtype": args.dtype,
+        f"({'dummy weights' if args.shape else config.load_format})", "dtype": config.dtype,
         "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
         "commit": git_commit(), "requests": len(prompts), "temperature": temperature,
         "tokens": tokens, "seconds": ours["seconds"], "tokens_per_s": ours["tokens_per_s"],

@@ -79,33 +79,31 @@ def run_vllm(python: str, model_dir: Path, dtype: str) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     """`asyncinfer bench offline`."""
-    from asyncinfer.config import parse_dtype
+    from asyncinfer.config import EngineConfig
     from asyncinfer.models.source import resolve_model
+    from asyncinfer.options import engine_options
 
     if args.workload == "gpu":
         from asyncinfer.bench.gpu_offline import main as gpu_main
 
         return gpu_main(args)
     prompts, max_tokens = cpu_offline()
-    model_dir = resolve_model(args.model)
-    options: dict[str, Any] = {
-        "device": args.device, "dtype": args.dtype, "policy": args.policy,
-        "max_running_requests": args.max_running_requests or 64,
-        "load_format": args.load_format,
-        "page_size": args.page_size, "max_seq_len": 2048}
-    if args.max_extend_tokens:
-        options["max_extend_tokens"] = args.max_extend_tokens
+    # The workload's defaults, then the engine options given on the command line.
+    options: dict[str, Any] = {"max_running_requests": 64, "max_seq_len": 2048,
+                               **engine_options(args)}
+    model_dir = resolve_model(options.pop("model", None))
+    config = EngineConfig(**options)  # the options in full, checked before any model loads
     results = [run_asyncinfer(str(model_dir), prompts, max_tokens, options)]
     print(json.dumps(results[-1]), flush=True)
     if "transformers" in args.peers:
         results.append(run_transformers_static(model_dir, prompts, max_tokens,
-                                               parse_dtype(args.dtype)))
+                                               config.torch_dtype))
         print(json.dumps(results[-1]), flush=True)
     if "vllm" in args.peers and args.vllm_python:
-        results.append(run_vllm(args.vllm_python, model_dir, args.dtype))
+        results.append(run_vllm(args.vllm_python, model_dir, config.dtype))
         print(json.dumps(results[-1]), flush=True)
     report = {"benchmark": f"offline-{args.workload}", "model": model_dir.name,
-              "dtype": args.dtype, "device": args.device, "requests": len(prompts),
+              "dtype": config.dtype, "device": config.device, "requests": len(prompts),
               "output_tokens": sum(max_tokens), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "commit": git_commit(), "results": results}
     ours = results[0]["tokens_per_s"]

@@ -15,28 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from asyncinfer.options import engine_options
+
 if TYPE_CHECKING:
     from asyncinfer.server.app import ServerOptions
 
 logger = logging.getLogger(__name__)
-
-# Command-line flag (argparse dest) → engine option; only flags the user gave are passed.
-ENGINE_FLAGS = ("dtype", "device", "page_size", "max_running_requests", "max_extend_tokens",
-                "cache_type", "kv_cache_gb", "max_seq_len", "load_format",
-                "attention_backend", "gpu_memory_utilization", "cuda_graph_max_bs")
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine keyword options the command line sets (defaults left to the engine)."""
-    options = {name: getattr(args, name) for name in ENGINE_FLAGS
-               if getattr(args, name, None) is not None}
-    if getattr(args, "no_chunked_prefill", False):
-        options["chunked_prefill"] = False
-    if getattr(args, "no_cuda_graph", False):
-        options["cuda_graph"] = False
-    if getattr(args, "no_torch_compile", False):
-        options["torch_compile"] = False
-    return options
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -62,11 +46,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
 def serve(args: argparse.Namespace) -> int:
     """Load the model, then serve it on ``args.host:args.port`` until SIGTERM or SIGINT."""
     from asyncinfer.api import AsyncEngine
-    from asyncinfer.policies.registry import parse_policy_options
 
-    engine = AsyncEngine(args.model, policy=args.policy,
-                         policy_options=parse_policy_options(args.policy_opt or []),
-                         overlap=not args.no_overlap, **engine_options(args))
+    engine = AsyncEngine(**engine_options(args))
     loop = new_event_loop()
     try:
         loop.run_until_complete(_serve(engine, args))
