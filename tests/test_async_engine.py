@@ -6,6 +6,7 @@ import asyncio
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,17 +113,22 @@ async def test_close_fails_requests_still_running(tiny_llama_dir: Path) -> None:
     assert out.error_kind == "engine" and not engine.alive
 
 
-async def test_recorded_rounds_account_for_every_batch(tiny_llama_dir: Path) -> None:
+async def test_observed_rounds_account_for_every_batch(tiny_llama_dir: Path) -> None:
     async with tiny_engine(tiny_llama_dir) as engine:
-        rounds = engine.record_rounds()
+        rounds: list[Any] = []
+        engine.observe_rounds(rounds.append)
         await asyncio.gather(*(engine.generate([5, 6, 7 + i], greedy(4)) for i in range(3)))
         await wait_idle(engine)
-        batches = [r for r in rounds if r[3]]
+        engine.observe_rounds(None)
+        batches = [r for r in rounds if r.phase]
         # One prefill of all three, then three decode steps of three rows each.
-        assert [(phase, size) for _, _, _, phase, size in batches] == [
+        assert [(r.phase, r.size) for r in batches] == [
             ("prefill", 3), ("decode", 3), ("decode", 3), ("decode", 3)]
-        assert all(host >= 0 and wait >= 0 for _, host, wait, _, _ in rounds)
-        assert [r[0] for r in rounds] == sorted(r[0] for r in rounds)
+        assert all(r.host_s >= 0 and r.wait_s >= 0 for r in rounds)
+        assert [r.start for r in rounds] == sorted(r.start for r in rounds)
+        seen = len(rounds)
+        await engine.generate([5, 6], greedy(2))
+        assert len(rounds) == seen, "a removed observer is not called"
 
 
 def test_freeze_gc_takes_the_start_up_heap_out_of_collections(tiny_llama_dir: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from attrs import field, frozen
 
 from asyncinfer.config import EngineConfig
-from asyncinfer.coordinator import Coordinator
+from asyncinfer.coordinator import Coordinator, RoundObserver
 from asyncinfer.core import ErrorKind, FinishReason
 from asyncinfer.engine import create_runner
 from asyncinfer.engine.runner import ModelRunner
@@ -277,16 +277,11 @@ class AsyncEngine:
             return EngineStats(0, 0, 0, self.runner.num_pages, 0, 0)
         return EngineStats(**self._coordinator.stats())
 
-    def timing(self) -> dict[str, float]:
-        """Seconds the coordinator spent on the host and awaiting the device."""
-        return self._coordinator.timing() if self._coordinator is not None else {}
-
-    def record_rounds(self) -> list[tuple[float, float, float, str, int]]:
-        """From now on, one ``(perf_counter at start, host s, wait s, phase, size)`` per
-        coordinator round (the batch it finished) goes into the returned list."""
+    def observe_rounds(self, observer: RoundObserver | None) -> None:
+        """Call ``observer`` with a ``coordinator.Round`` after every round of the engine's
+        loop (None stops it): how a benchmark sees the host's and the device's share."""
         assert self._coordinator is not None, "the engine has not started"
-        self._coordinator.round_log = []
-        return self._coordinator.round_log
+        self._coordinator.observer = observer
 
 
 class LLM:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from attrs import define
+from attrs import define, frozen
 
 from asyncinfer.core import Batch, Event, ForwardOutput
 from asyncinfer.params import SamplingParams
@@ -45,6 +45,22 @@ class _Add:
 class _Abort:
     uid: int
     notify: bool
+
+
+@frozen
+class Round:
+    """One round of the loop, as an observer sees it: when it started (``perf_counter``),
+    seconds on the host (scheduling, launching, processing, delivering) and awaiting the
+    device, and the batch it left in flight (phase "" and size 0 when none)."""
+
+    start: float
+    host_s: float
+    wait_s: float
+    phase: str
+    size: int
+
+
+RoundObserver = Callable[[Round], None]
 
 
 @define
@@ -85,13 +101,11 @@ class Coordinator:
         self._commands: asyncio.Queue[_Add | _Abort | None] = asyncio.Queue()
         self._channels: dict[int, asyncio.Queue[Event] | Collector] = {}
         self._queued_adds = 0                   # requests added but not yet applied
-        self.host_seconds = 0.0                 # scheduling, launching, processing, delivering
-        self.wait_seconds = 0.0                 # awaiting the device
+        self._waited = 0.0                      # seconds awaiting the device, all rounds
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-wait")
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()            # set while the loop waits with nothing to do
-        # When a list: one (start, host_s, wait_s, phase, size) per round, for benchmarks.
-        self.round_log: list[tuple[float, float, float, str, int]] | None = None
+        self.observer: RoundObserver | None = None  # called after every round, if set
 
     # ---- frontend side ---------------------------------------------------------------------
 
@@ -189,7 +203,7 @@ class Coordinator:
             if not self._drain_commands():
                 await self._fail_all("the engine is shutting down")
                 break
-            start, waited = time.perf_counter(), self.wait_seconds
+            start, waited = time.perf_counter(), self._waited
             try:
                 inflight = await self._round(inflight)
             except Exception as exc:  # the scheduler failed, not a batch: end everything
@@ -197,12 +211,14 @@ class Coordinator:
                 await self._fail_all(f"engine error: {exc}")
                 inflight = None
             self._deliver(self.scheduler.take_events())
-            host = time.perf_counter() - start - (self.wait_seconds - waited)
-            self.host_seconds += host
-            if self.round_log is not None:
-                batch = None if inflight is None else inflight.scheduled.batch
-                self.round_log.append((start, host, self.wait_seconds - waited,
-                                       batch.phase if batch else "", batch.size if batch else 0))
+            if self.observer is not None:
+                self.observer(self._record(start, self._waited - waited, inflight))
+
+    @staticmethod
+    def _record(start: float, wait: float, inflight: _Launched | None) -> Round:
+        batch = None if inflight is None else inflight.scheduled.batch
+        return Round(start, time.perf_counter() - start - wait, wait,
+                     batch.phase if batch else "", batch.size if batch else 0)
 
     async def _round(self, inflight: _Launched | None) -> _Launched | None:
         launched = None
@@ -238,10 +254,10 @@ class Coordinator:
         try:
             tokens = (await launched.future).next_tokens.tolist()
         except Exception as exc:
-            self.wait_seconds += time.perf_counter() - start
+            self._waited += time.perf_counter() - start
             await self._recover(launched, later, exc)
             return False
-        self.wait_seconds += time.perf_counter() - start
+        self._waited += time.perf_counter() - start
         self.scheduler.process(launched.scheduled, tokens)
         return True
 
@@ -313,7 +329,3 @@ class Coordinator:
                 "prefix_cache_queries": prefix.queries, "prefix_cache_hits": prefix.hits,
                 "prefix_cache_query_tokens": prefix.query_tokens,
                 "prefix_cache_hit_tokens": prefix.hit_tokens}
-
-    def timing(self) -> dict[str, float]:
-        """Seconds the loop spent on the host and awaiting the device, since it started."""
-        return {"host_s": round(self.host_seconds, 3), "wait_s": round(self.wait_seconds, 3)}

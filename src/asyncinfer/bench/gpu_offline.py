@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from asyncinfer.coordinator import Round
+
 # Qwen3-0.6B's config.json, shape only (the benchmark runs dummy weights).
 QWEN3_0_6B: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
@@ -132,7 +134,7 @@ def host_profile(llm: Any, prompts: list[list[int]], params: list[Any], path: Pa
     profiler.disable()
     seconds = time.perf_counter() - start
     out = io.StringIO()
-    out.write(f"host profile: {seconds:.2f} s under cProfile; {llm.engine.timing()}\n")
+    out.write(f"host profile: {seconds:.2f} s under cProfile\n")
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("tottime").print_stats(35)
     stats.sort_stats("cumulative").print_stats(45)
@@ -174,15 +176,19 @@ def gc_pauses() -> Iterator[list[tuple[float, float, int]]]:
         gc.callbacks.remove(record)
 
 
-def host_stalls(rounds: list[tuple[float, float, float, str, int]],
-                pauses: list[tuple[float, float, int]], start: float,
+def coordinator_time(rounds: list[Round]) -> dict[str, float]:
+    """Seconds the coordinator spent on the host and awaiting the device over ``rounds``."""
+    return {"host_s": round(sum(r.host_s for r in rounds), 3),
+            "wait_s": round(sum(r.wait_s for r in rounds), 3)}
+
+
+def host_stalls(rounds: list[Round], pauses: list[tuple[float, float, int]], start: float,
                 longest: int = 20) -> dict[str, Any]:
     """The coordinator rounds that took the host longest and the garbage collections, in ms
     from ``start``, to set beside the GPU's longest idle gaps."""
-    slow = sorted(rounds, key=lambda r: -r[1])[:longest]
-    return {"slowest_rounds": [[round(1000 * (t - start), 2), round(1000 * host, 3),
-                                round(1000 * wait, 3), phase, size]
-                               for t, host, wait, phase, size in slow],
+    slow = sorted(rounds, key=lambda r: -r.host_s)[:longest]
+    return {"slowest_rounds": [[round(1000 * (r.start - start), 2), round(1000 * r.host_s, 3),
+                                round(1000 * r.wait_s, 3), r.phase, r.size] for r in slow],
             "rounds": len(rounds),
             "gc_ms_by_generation": {g: round(1000 * sum(d for _, d, gen in pauses if gen == g),
                                              2) for g in (0, 1, 2)},
@@ -228,17 +234,20 @@ def main(args: Any) -> int:
     params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
               for n in max_tokens]
     torch.cuda.synchronize()
+    rounds: list[Round] = []
+    llm.engine.observe_rounds(rounds.append)  # started by the warm-up
     trace = None
     with contextlib.ExitStack() as stack:
         if args.gpu_busy:  # the GPU's kernel time over the run, against the run's wall time
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
 
-            rounds, pauses = llm.engine.record_rounds(), stack.enter_context(gc_pauses())
+            pauses = stack.enter_context(gc_pauses())
             trace = stack.enter_context(torch_profile(activities=[ProfilerActivity.CUDA]))
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - start
+    llm.engine.observe_rounds(None)
     busy = None
     if trace is not None:
         from asyncinfer.bench.profile import kernel_busy
@@ -250,7 +259,7 @@ def main(args: Any) -> int:
     ours = {"engine": "asyncinfer", "tokens": tokens, "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1), "startup_s": round(startup, 1),
             "options": options, "policy": llm.policy.name,
-            "coordinator": llm.engine.timing(), "batches": llm.engine.stats().batches_decode,
+            "coordinator": coordinator_time(rounds), "batches": llm.engine.stats().batches_decode,
             **({"gpu_busy": busy} if busy else {})}
     log(json.dumps(ours))
     if args.host_profile:
