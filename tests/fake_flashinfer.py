@@ -1,8 +1,8 @@
 """A CPU stand-in for flashinfer's two paged-attention wrappers, written from their documented
 contract: int32 ``indptr``/``indices``/``last_page_len``, NHD pages, causal queries aligned to
 the end of each request's KV, and (CUDA-graph mode) plans copied into the caller's buffers and
-read back at run time. It lets the flashinfer runner's metadata, padding and graph-buffer
-logic run in the CPU suite; the real kernels are checked on the GPU (tests/gpu).
+read back at run time. It lets the runner's flashinfer path (metadata, padding, graph buffers)
+run in the CPU suite; the real kernels are checked on the GPU (tests/gpu).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The flashinfer runner's host side on a CPU: paged layouts, graph padding, prompt uploads,
-chunked extend over cached prefixes, with a stand-in for flashinfer's kernels
-(tests/fake_flashinfer.py). Token-exact with transformers in float32. The real kernels are
-checked against the torch backend on the GPU (tests/gpu/test_gpu_engine.py)."""
+"""The runner with the flashinfer backend, its host side on a CPU: paged layouts, graph
+padding, prompt uploads, chunked extend over cached prefixes, with a stand-in for
+flashinfer's kernels (tests/fake_flashinfer.py). Token-exact with transformers in float32.
+The real kernels are checked against the torch backend on the GPU
+(tests/gpu/test_gpu_engine.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,15 @@ import torch
 
 import tests.fake_flashinfer as fake_flashinfer
 from asyncinfer.api import LLM
-from asyncinfer.attention.flashinfer_backend import host_lengths, load_flashinfer, paged_layout
-from asyncinfer.engine.cuda_graph import batch_size_ladder
-from asyncinfer.engine.flashinfer_runner import FlashInferRunner
+from asyncinfer.attention.flashinfer_backend import (
+    FlashInferBackend,
+    host_lengths,
+    load_flashinfer,
+    paged_layout,
+)
+from asyncinfer.attention.registry import BACKENDS, backend_class
+from asyncinfer.attention.torch_backend import TorchBackend
+from asyncinfer.engine.cuda_graph import DecodeGraphs, batch_size_ladder
 from asyncinfer.errors import ConfigError
 from tests.test_llm import cases
 from tests.test_model_outputs import GREEDY, reference
@@ -22,7 +29,7 @@ from tests.test_model_outputs import GREEDY, reference
 
 @pytest.fixture
 def fake_fi(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("asyncinfer.engine.flashinfer_runner.load_flashinfer",
+    monkeypatch.setattr("asyncinfer.attention.flashinfer_backend.load_flashinfer",
                         lambda device: fake_flashinfer)
 
 
@@ -36,6 +43,39 @@ def fi_llm(model_dir: Path, **options: object) -> LLM:
 def test_flashinfer_needs_cuda() -> None:
     with pytest.raises(ConfigError, match="CUDA"):
         load_flashinfer(torch.device("cpu"))
+
+
+def test_backends_come_from_the_registry() -> None:
+    assert dict(BACKENDS) == {"torch": TorchBackend, "flashinfer": FlashInferBackend}
+    assert backend_class("flashinfer") is FlashInferBackend
+    assert FlashInferBackend.capturable and not TorchBackend.capturable
+    with pytest.raises(ConfigError, match="unknown attention backend"):
+        backend_class("sdpa")
+
+
+def test_flashinfer_without_float32_kernels_is_refused_before_loading(
+        monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path) -> None:
+    class NoFloat32:
+        pass
+
+    def load_model(*args: object) -> None:
+        raise AssertionError("the model loaded before the backend was checked")
+
+    monkeypatch.setattr("asyncinfer.attention.flashinfer_backend.load_flashinfer",
+                        lambda device: NoFloat32)
+    monkeypatch.setattr("asyncinfer.engine.runner.ModelRunner._load_model", load_model)
+    with pytest.raises(ConfigError, match="float32"):
+        fi_llm(tiny_llama_dir)
+
+
+def test_decode_graphs_refuse_a_backend_that_cannot_be_captured(tiny_llama_dir: Path) -> None:
+    llm = fi_llm(tiny_llama_dir, attention_backend="torch")
+    runner = llm.runner
+    assert isinstance(runner.backend, TorchBackend) and runner.graphs is None
+    assert runner.scratch_page is None  # no page held back for graph padding
+    with pytest.raises(ConfigError, match="cannot be captured"):
+        DecodeGraphs(runner.backend, lambda ids, pos, attn: ids, runner.token_pool, 4,
+                     pad_index=0, pad_slot=0, device=runner.device)
 
 
 def test_batch_size_ladder() -> None:
@@ -68,12 +108,17 @@ def test_greedy_matches_transformers(tiny_qwen3_dir: Path, page_size: int,
     # Five rows at a time: decode batches of 5 and 3 replay the padded sizes 6 and 4.
     llm = fi_llm(tiny_qwen3_dir, page_size=page_size, cuda_graph=cuda_graph,
                  max_running_requests=5, cuda_graph_max_bs=6)
-    assert isinstance(llm.runner, FlashInferRunner)
+    assert isinstance(llm.runner.backend, FlashInferBackend)
     assert (llm.runner.graphs is not None) == cuda_graph
     got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == expected
     if llm.runner.graphs is not None:  # decode batches went through the padded graph path
-        assert sum(w.plans for w in llm.runner.graphs.wrappers.values()) > 0
+        metas = [c.meta for c in llm.runner.graphs.contexts.values()]
+        assert sum(m.wrapper.plans for m in metas) > 0
+        # every size plans into the same layout buffers, and out_loc is the graph's own
+        assert len({m.wrapper.buffers[1].data_ptr() for m in metas}) == 1
+        assert all(m.out_loc.data_ptr() == llm.runner.graphs.inputs[2].data_ptr()
+                   for m in metas)
 
 
 @pytest.mark.usefixtures("fake_fi")

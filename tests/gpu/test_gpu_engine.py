@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from asyncinfer.api import LLM
-from asyncinfer.engine.flashinfer_runner import FlashInferRunner
+from asyncinfer.attention.flashinfer_backend import FlashInferBackend
+from asyncinfer.attention.torch_backend import TorchBackend
 from asyncinfer.errors import ConfigError
 from asyncinfer.params import SamplingParams
 from tests.gpu.conftest import VOCAB, alternating, needs_gpu
@@ -75,7 +76,7 @@ def test_flashinfer_equals_torch_backend_bf16(model: str, page_size: int,
     prompts = alternation_prompts()
     ours, llm = generate(model_dir, prompts, page_size=page_size,
                          attention_backend="flashinfer")
-    assert isinstance(llm.runner, FlashInferRunner) and llm.runner.graphs is not None
+    assert isinstance(llm.runner.backend, FlashInferBackend) and llm.runner.graphs is not None
     assert_nothing_held(llm)
     llm.close()
     reference, _ = generate(model_dir, prompts, page_size=page_size,
@@ -125,7 +126,7 @@ def test_float32_torch_backend_on_cuda_is_token_exact(qwen3_h128_dir: Path) -> N
             attention_backend="flashinfer", kv_cache_gb=0.5)
     prompts = varied_prompts(8, seed=4)
     ours, llm = generate(qwen3_h128_dir, prompts, dtype="float32")
-    assert not isinstance(llm.runner, FlashInferRunner)
+    assert isinstance(llm.runner.backend, TorchBackend) and llm.runner.graphs is None
     hf = load_hf(qwen3_h128_dir).to("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     assert ours == [hf_greedy(hf, p, TOKENS) for p in prompts]

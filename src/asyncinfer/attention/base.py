@@ -1,19 +1,56 @@
-"""The attention backend protocol and the context the model calls attention through."""
+"""The attention backend protocol and the context the model calls attention through.
+
+A backend turns one batch into metadata once (``plan``) and attends with it in every layer
+(``forward``). Backends that can be captured in CUDA graphs (``capturable``) also keep static
+metadata per captured batch size (``init_graph_state``, ``graph_metadata``) and refill it
+for the real batch before each replay (``prepare_replay``); ``engine.cuda_graph`` drives
+those through this protocol alone. The runner picks a backend class by name from
+``attention.registry``.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol
 
 import torch
+from attrs import frozen
 
 from asyncinfer.core import Batch
 from asyncinfer.kvcache.pool import KVPool
 
 
-class AttentionKernel(Protocol):
-    """Runs attention for one layer over the paged KV pool, given a batch's metadata."""
+@frozen
+class AttentionSpec:
+    """What a backend is built for: the KV pool, the page table and the model's shape."""
 
     pool: KVPool
+    page_table: torch.Tensor      # [rows, width] on the host: KV slot of each position
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    dtype: torch.dtype            # of queries and of the values the pool holds
+    device: torch.device
+    pad_page: int | None          # page that takes padding rows' K, V (capturable backends)
+
+
+class AttentionBackend(Protocol):
+    """Plans attention once per batch, runs it for every layer, and (where ``capturable``)
+    supplies what CUDA graphs of decode batches need.
+
+    Planning reads the host: the batch's rows and extents, the host page table. Everything
+    it uploads is ordered on the current stream, so planning batch N+1 never waits for
+    batch N.
+    """
+
+    pool: KVPool
+    capturable: ClassVar[bool]    # whether ``init_graph_state`` and the rest work
+
+    def plan(self, batch: Batch, out_loc: torch.Tensor) -> Any:
+        """Metadata for one batch, which every layer's ``forward`` reuses. ``out_loc``
+        [T] (on the device) is the KV slot of each computed token, in batch order."""
+        ...
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: Any) -> torch.Tensor:
@@ -21,20 +58,41 @@ class AttentionKernel(Protocol):
         pool at ``meta.out_loc`` (the model writes them: ``AttentionContext.kv_slots``)."""
         ...
 
+    def init_graph_state(self, max_batch_size: int) -> None:
+        """Allocate the static buffers that graphs of up to ``max_batch_size`` decode rows
+        share (called once, before ``graph_metadata``)."""
+        ...
 
-class AttentionBackend(AttentionKernel, Protocol):
-    """Plans attention once per batch and runs it for every layer (the torch backend; the
-    flashinfer backend is planned by its runner, which knows the host page table)."""
+    def graph_metadata(self, batch_size: int, out_loc: torch.Tensor) -> Any:
+        """The metadata a graph of ``batch_size`` decode rows is captured with: its tensors
+        stay where they are across replays. ``out_loc`` [batch_size] is the graph's own
+        KV-slot buffer (refilled by the caller before each replay)."""
+        ...
 
-    def prepare(self, batch: Batch, row_index: torch.Tensor, positions: torch.Tensor) -> Any:
-        """Metadata for one batch; ``row_index``/``positions`` list each computed token."""
+    def prepare_replay(self, meta: Any, rows: Sequence[int], ends: Sequence[int]) -> None:
+        """Refill ``meta``'s buffers, in stream order, for a decode batch of the requests in
+        ``rows`` whose KV now ends at ``ends``; the graph's remaining rows are padding that
+        attends one token of ``AttentionSpec.pad_page``."""
+        ...
+
+
+class AttentionBackendClass(Protocol):
+    """What the registry holds: a backend class, checked for the device before it is built."""
+
+    capturable: bool
+
+    def check(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Raise ConfigError when the backend cannot run here (before the model loads)."""
+        ...
+
+    def __call__(self, spec: AttentionSpec) -> AttentionBackend:
         ...
 
 
 class AttentionContext:
     """The backend bound to one batch's metadata; passed down the model, never global."""
 
-    def __init__(self, backend: AttentionKernel, meta: Any) -> None:
+    def __init__(self, backend: AttentionBackend, meta: Any) -> None:
         self.backend = backend
         self.meta = meta
 

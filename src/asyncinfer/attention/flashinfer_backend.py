@@ -1,23 +1,26 @@
 """The CUDA attention backend: flashinfer's paged prefill (extend) and decode kernels.
 
-The page table stays on the host. For each batch the runner turns it into flashinfer's paged
-layout (``indptr``, page ``indices``, ``last_page_len``) in pinned memory; ``plan`` copies it
-to the device without blocking, once per batch, and every layer reuses the plan.
+The page table stays on the host. For each batch the backend turns it into flashinfer's
+paged layout (``indptr``, page ``indices``, ``last_page_len``) in pinned memory; flashinfer's
+``plan`` copies it to the device without blocking, once per batch, and every layer reuses
+the plan.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from attrs import frozen
 
+from asyncinfer.attention.base import AttentionSpec
+from asyncinfer.attention.transfer import pin, upload
+from asyncinfer.core import Batch
 from asyncinfer.errors import ConfigError
-from asyncinfer.kvcache.pool import KVPool
 
 WORKSPACE_BYTES = 128 * 2**20     # flashinfer's recommended float workspace
 
@@ -44,8 +47,8 @@ class PagedLayout:
     seq_lens: torch.Tensor        # [B] KV length of each request
 
 
-def paged_layout(page_table: torch.Tensor, rows: list[int], ends: list[int], page_size: int,
-                 pad_to: int | None = None, pad_page: int = 0) -> PagedLayout:
+def paged_layout(page_table: torch.Tensor, rows: Sequence[int], ends: Sequence[int],
+                 page_size: int, pad_to: int | None = None, pad_page: int = 0) -> PagedLayout:
     """Pages of positions ``[0, ends[i])`` of each row, read off the host page table.
 
     ``pad_to`` appends rows of one token on ``pad_page`` (a CUDA graph's unused rows).
@@ -71,16 +74,8 @@ def paged_layout(page_table: torch.Tensor, rows: list[int], ends: list[int], pag
 
 def _decode_tensor_cores(group: int, device: torch.device) -> bool:
     """Whether decode runs flashinfer's tensor-core kernel (its prefill kernel) rather than
-    its CUDA-core decode kernel.
-
-    SGLang takes tensor cores once four or more query heads share a KV head. On Hopper
-    they pay off already at two: on one H200, Qwen3-0.6B's shape (16 query, 8 KV heads)
-    ran the offline workload in 5.82 s with them against 6.06 s without (same device call).
-    ``ASYNCINFER_DECODE_TENSOR_CORES=1`` or ``0`` forces the choice, to measure both.
-    """
-    forced = os.environ.get("ASYNCINFER_DECODE_TENSOR_CORES")
-    if forced in ("0", "1"):
-        return forced == "1"
+    its CUDA-core decode kernel: once four or more query heads share a KV head (SGLang's
+    rule), and on Hopper or later already from two (measured: see docs/benchmarks.md)."""
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     return group >= 4 or hopper
 
@@ -90,9 +85,10 @@ class HostLengths(torch.Tensor):
 
     flashinfer's ``plan`` takes Python's builtin ``max()`` over the lengths it is handed
     (the KV lengths for tensor-core decode and prefill, the query lengths for prefill).
-    Over a plain tensor that makes a 0-d tensor per element: 1.2 ms for 256 requests on
-    the dev machine, every decode step; over this, 45 µs. Everything else flashinfer does
-    with it, including passing it to its C++ plan (through DLPack), sees a plain tensor.
+    Over a plain tensor that makes a 0-d tensor per element, every decode step, which is a
+    large share of the host's time in a step of a few hundred requests (see
+    docs/benchmarks.md); over this it is a numpy loop. Everything else flashinfer does with
+    it, including passing it to its C++ plan (through DLPack), sees a plain tensor.
     """
 
     def __iter__(self) -> Any:
@@ -117,51 +113,111 @@ class FlashInferBackend:
 
     Prefill and mixed batches use the paged prefill wrapper (causal, queries aligned to the
     end of each request's KV, so extending a cached prefix needs nothing more); decode
-    batches use the decode wrapper, or a CUDA-graph one per captured batch size.
+    batches use the decode wrapper, or a CUDA-graph one per captured batch size whose page
+    layout lives in static device buffers that every graph shares.
+
+    The page table stays on the host: a plan reads each request's pages off it and hands
+    flashinfer the layout so that planning never blocks: page indices already on the device
+    (flashinfer copies host indices synchronously, which would wait for the batch in
+    flight), the small arrays it reads on the host in pinned memory.
     """
 
-    def __init__(self, flashinfer: ModuleType, pool: KVPool, num_heads: int,
-                 num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.fi, self.pool, self.device, self.dtype = flashinfer, pool, device, dtype
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = scale
-        self.decode_tensor_cores = _decode_tensor_cores(num_heads // num_kv_heads, device)
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    capturable: ClassVar[bool] = True
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        flashinfer = load_flashinfer(spec.device)
+        self.fi, self.pool, self.device, self.dtype = flashinfer, spec.pool, spec.device, spec.dtype
+        self.page_table, self.page_size = spec.page_table, spec.pool.page_size
+        self.pad_page = spec.pad_page
+        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
+        self.head_dim, self.scale = spec.head_dim, spec.scale
+        self.decode_tensor_cores = _decode_tensor_cores(self.num_heads // self.num_kv_heads,
+                                                        self.device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend="fa2")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
         self._plan_events: dict[int, torch.cuda.Event] = {}
-        shape = (pool.num_pages, pool.page_size, num_kv_heads, head_dim)
+        pool = spec.pool
+        shape = (pool.num_pages, pool.page_size, self.num_kv_heads, self.head_dim)
         self._pages = [(pool.k[i].view(shape), pool.v[i].view(shape))
                        for i in range(pool.k.shape[0])]
+        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def graph_decode_wrapper(self, batch_size: int, indptr: torch.Tensor,
-                             indices: torch.Tensor, last_page_len: torch.Tensor) -> Any:
-        """A decode wrapper for CUDA graphs of ``batch_size``, on fixed device buffers."""
-        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+    @classmethod
+    def check(cls, device: torch.device, dtype: torch.dtype) -> None:
+        """flashinfer must be importable, for a CUDA device, with kernels for ``dtype``."""
+        flashinfer = load_flashinfer(device)
+        if dtype == torch.float32 and not getattr(flashinfer, "HAS_FLOAT32_KERNELS", False):
+            raise ConfigError("flashinfer has no float32 kernels (its dtype maps hold fp16, "
+                              "bf16 and fp8); use bfloat16 or float16, or "
+                              "attention_backend='torch' for float32")
+
+    def plan(self, batch: Batch, out_loc: torch.Tensor) -> FlashInferMetadata:
+        """Plan the decode wrapper for a decode batch, the prefill wrapper for any other."""
+        layout = self._staged(paged_layout(self.page_table, batch.rows, batch.ends,
+                                           self.page_size))
+        if batch.phase == "decode":
+            self._plan_decode(self.decode, layout)
+            return FlashInferMetadata(self.decode, out_loc)
+        lens = torch.tensor([0, *batch.extend_lens], dtype=torch.int32)
+        qo_indptr = pin(lens.cumsum(0, dtype=torch.int32), self.device)
+        self._plan(self.prefill, lambda: self.prefill.plan(
+            host_lengths(qo_indptr), layout.indptr, layout.indices, layout.last_page_len,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            causal=True, sm_scale=self.scale, q_data_type=self.dtype,
+            kv_data_type=self.dtype, seq_lens=host_lengths(layout.seq_lens)))
+        return FlashInferMetadata(self.prefill, out_loc)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: FlashInferMetadata) -> torch.Tensor:
+        """Attend over each request's pages (the new K, V are already in them)."""
+        out = meta.wrapper.run(q.contiguous(), self._pages[layer])
+        return out.view(q.shape[0], -1)
+
+    def init_graph_state(self, max_batch_size: int) -> None:
+        """The page layout buffers of all graphs: ``indptr``, page ``indices`` (room for
+        every row's whole span plus a page each), ``last_page_len``."""
+        assert self.pad_page is not None, "graphs need a page for their padding rows"
+        max_pages = max_batch_size * (self.page_table.shape[1] // self.page_size + 1)
+        self._graph_buffers = (
+            torch.zeros(max_batch_size + 1, dtype=torch.int32, device=self.device),
+            torch.zeros(max_pages, dtype=torch.int32, device=self.device),
+            torch.ones(max_batch_size, dtype=torch.int32, device=self.device))
+
+    def graph_metadata(self, batch_size: int, out_loc: torch.Tensor) -> FlashInferMetadata:
+        """A CUDA-graph decode wrapper of ``batch_size`` on the shared layout buffers."""
+        assert self._graph_buffers is not None, "init_graph_state first"
+        indptr, indices, last_page_len = self._graph_buffers
+        wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,
             use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=indptr[: batch_size + 1],
             paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last_page_len[:batch_size])
+        return FlashInferMetadata(wrapper, out_loc)
 
-    def plan_decode(self, wrapper: Any, layout: PagedLayout) -> None:
-        """Plan a decode wrapper for one batch."""
+    def prepare_replay(self, meta: FlashInferMetadata, rows: Sequence[int],
+                       ends: Sequence[int]) -> None:
+        """Plan the graph's wrapper (which copies the layout into its buffers) for the
+        batch, padded to the graph's size with rows of one token on the pad page."""
+        assert self.pad_page is not None
+        self._plan_decode(meta.wrapper, self._staged(paged_layout(
+            self.page_table, rows, ends, self.page_size, pad_to=meta.out_loc.shape[0],
+            pad_page=self.pad_page)))
+
+    def _staged(self, layout: PagedLayout) -> PagedLayout:
+        return PagedLayout(pin(layout.indptr, self.device), upload(layout.indices, self.device),
+                           pin(layout.last_page_len, self.device),
+                           pin(layout.seq_lens, self.device))
+
+    def _plan_decode(self, wrapper: Any, layout: PagedLayout) -> None:
         self._plan(wrapper, lambda: wrapper.plan(
             layout.indptr, layout.indices, layout.last_page_len, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.pool.page_size, q_data_type=self.dtype,
+            self.num_kv_heads, self.head_dim, self.page_size, q_data_type=self.dtype,
             kv_data_type=self.dtype, sm_scale=self.scale,
             seq_lens=host_lengths(layout.seq_lens)))
-
-    def plan_prefill(self, layout: PagedLayout, qo_indptr: torch.Tensor) -> None:
-        """Plan the prefill wrapper: ``qo_indptr`` splits the batch's new tokens by request."""
-        self._plan(self.prefill, lambda: self.prefill.plan(
-            host_lengths(qo_indptr), layout.indptr, layout.indices, layout.last_page_len,
-            self.num_heads, self.num_kv_heads, self.head_dim, self.pool.page_size,
-            causal=True, sm_scale=self.scale, q_data_type=self.dtype,
-            kv_data_type=self.dtype, seq_lens=host_lengths(layout.seq_lens)))
 
     def _plan(self, wrapper: Any, plan: Any) -> None:
         # plan() stages its schedule in a pinned buffer of the wrapper and uploads it without
@@ -176,9 +232,3 @@ class FlashInferBackend:
             event = torch.cuda.Event()
             event.record()
             self._plan_events[id(wrapper)] = event
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: FlashInferMetadata) -> torch.Tensor:
-        """Attend over each request's pages (the new K, V are already in them)."""
-        out = meta.wrapper.run(q.contiguous(), self._pages[layer])
-        return out.view(q.shape[0], -1)

@@ -1,15 +1,23 @@
-"""The reference attention backend: torch SDPA over K/V gathered from the page pool."""
+"""The reference attention backend: torch SDPA over K/V gathered from the page pool.
+
+It runs on any device and dtype. Its plan reads the host page table and uploads the slots
+each request attends to (without blocking on CUDA).
+"""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 from attrs import define
 from torch.nn import functional as F
 
+from asyncinfer.attention.base import AttentionSpec
+from asyncinfer.attention.transfer import upload
 from asyncinfer.core import Batch
-from asyncinfer.kvcache.pool import KVPool
+from asyncinfer.errors import ConfigError
 
 
 @define
@@ -17,7 +25,7 @@ class TorchMetadata:
     """Where new tokens go and which slots each request attends to."""
 
     out_loc: torch.Tensor                 # [T] KV slot of each computed token
-    kv_slots: list[torch.Tensor]          # per request: slots of positions [0, end)
+    kv_slots: list[torch.Tensor]          # per request: slots of [0, end) (prefill only)
     q_bounds: list[tuple[int, int]]       # per request: its rows in the flat token axis
     starts: list[int]
     decode_groups: list[DecodeGroup]      # when every request decodes
@@ -37,51 +45,72 @@ class TorchBackend:
 
     The pool may hold a wider dtype than the model's activations (float32 kernels for
     half-precision values on CPU); queries are widened to match and outputs narrowed back.
+
+    Not capturable: a decode batch's padded width and its grouping by length follow the
+    lengths of its requests, so the shapes of its kernels change from batch to batch.
     """
 
-    def __init__(self, pool: KVPool, page_table: torch.Tensor, scale: float) -> None:
-        self.pool = pool
-        self.page_table = page_table
-        self.scale = scale
+    capturable: ClassVar[bool] = False
 
-    def prepare(
-        self, batch: Batch, row_index: torch.Tensor, positions: torch.Tensor
-    ) -> TorchMetadata:
-        """Look up slots in the page table once; every layer reuses them."""
-        out_loc = self.page_table[row_index, positions]
-        kv_slots = [self.page_table[r, :e] for r, e in zip(batch.rows, batch.ends)]
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.pool = spec.pool
+        self.page_table = spec.page_table
+        self.scale = spec.scale
+        self.device = spec.device
+
+    @classmethod
+    def check(cls, device: torch.device, dtype: torch.dtype) -> None:
+        """Runs on any device and dtype."""
+
+    def plan(self, batch: Batch, out_loc: torch.Tensor) -> TorchMetadata:
+        """Look up slots in the host page table once; every layer reuses them."""
         bounds, offset = [], 0
         for n in batch.extend_lens:
             bounds.append((offset, offset + n))
             offset += n
-        groups = self._decode_groups(batch, out_loc.device) if batch.phase == "decode" else []
-        return TorchMetadata(out_loc, kv_slots, bounds, list(batch.starts), groups)
+        if batch.phase == "decode":  # the groups hold all the slots decode reads
+            return TorchMetadata(out_loc, [], bounds, list(batch.starts),
+                                 self._decode_groups(batch))
+        ends = list(batch.ends)
+        slots = upload(torch.cat([self.page_table[r, :e] for r, e in zip(batch.rows, ends)]),
+                       self.device)
+        return TorchMetadata(out_loc, list(slots.split(ends)), bounds, list(batch.starts), [])
 
-    def _decode_groups(self, batch: Batch, device: torch.device) -> list[DecodeGroup]:
+    def _decode_groups(self, batch: Batch) -> list[DecodeGroup]:
         # Padding every request to the longest wastes attention on short ones: requests are
         # sorted by length and split into a few groups, each padded to its own longest.
         count = min(_MAX_GROUPS, -(-batch.size // _MIN_GROUP))
         if count == 1:
-            return [self._group(None, batch.rows, batch.ends, device)]
+            return [self._group(None, batch.rows, batch.ends)]
         order = sorted(range(batch.size), key=lambda i: batch.ends[i])
         bounds = [round(g * batch.size / count) for g in range(count + 1)]
         groups = []
         for lo, hi in itertools.pairwise(bounds):
             members = order[lo:hi]
-            index = torch.tensor(members, device=device)
+            index = upload(torch.tensor(members), self.device)
             groups.append(self._group(index, [batch.rows[i] for i in members],
-                                      [batch.ends[i] for i in members], device))
+                                      [batch.ends[i] for i in members]))
         return groups
 
-    def _group(self, index: torch.Tensor | None, rows: list[int], ends: list[int],
-               device: torch.device) -> DecodeGroup:
+    def _group(self, index: torch.Tensor | None, rows: list[int],
+               ends: list[int]) -> DecodeGroup:
         size = self.pool.page_size
         width = -(-max(ends) // size) * size
         # Whole pages are gathered: one long copy each instead of one per token.
-        pages = self.page_table[torch.tensor(rows, device=device), :width:size] // size
-        lengths = torch.tensor(ends, device=device)
-        mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
+        pages = upload(self.page_table[torch.tensor(rows), :width:size] // size, self.device)
+        lengths = upload(torch.tensor(ends), self.device)
+        mask = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
         return DecodeGroup(index, pages.flatten(), mask[:, None, None])
+
+    def init_graph_state(self, max_batch_size: int) -> None:
+        raise ConfigError(_NOT_CAPTURABLE)
+
+    def graph_metadata(self, batch_size: int, out_loc: torch.Tensor) -> TorchMetadata:
+        raise ConfigError(_NOT_CAPTURABLE)
+
+    def prepare_replay(self, meta: TorchMetadata, rows: Sequence[int],
+                       ends: Sequence[int]) -> None:
+        raise ConfigError(_NOT_CAPTURABLE)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -130,6 +159,8 @@ class TorchBackend:
 
 _MAX_GROUPS = 4     # padded SDPA calls per decode layer at most
 _MIN_GROUP = 8      # requests per group at least
+_NOT_CAPTURABLE = ("the torch attention backend cannot be captured in CUDA graphs (its "
+                   "decode shapes follow the batch's lengths)")
 
 
 def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""The model runners: the torch reference runner and the flashinfer runner for CUDA."""
+"""The model runner: one ``ModelRunner`` for every attention backend (see
+``asyncinfer.attention.registry``), with decode CUDA graphs for the backends that can be
+captured."""
 
 from __future__ import annotations
 
@@ -9,9 +11,6 @@ from asyncinfer.engine.runner import ModelRunner
 
 
 def create_runner(config: EngineConfig, model_dir: Path) -> ModelRunner:
-    """The runner for ``config``'s attention backend (see ``EngineConfig``)."""
-    if config.resolved_attention_backend == "flashinfer":
-        from asyncinfer.engine.flashinfer_runner import FlashInferRunner
-
-        return FlashInferRunner(config, model_dir)
+    """The runner for ``config``; its attention backend is ``config.resolved_attention_backend``
+    (see ``EngineConfig``)."""
     return ModelRunner(config, model_dir)

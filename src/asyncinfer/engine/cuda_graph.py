@@ -1,10 +1,13 @@
 """Decode forwards captured as CUDA graphs at a ladder of batch sizes, replayed with padding.
 
 A decode batch of ``n`` requests replays the graph of the smallest captured size ``bs >= n``;
-rows ``n .. bs`` are padding: they read token 0 of the scratch token-pool row, attend one
-token of the scratch page and write their K, V there. Batches past the largest size run
-eagerly. Graph inputs (token indices, positions, KV slots, flashinfer's page layout) live in
-fixed device buffers that each replay refills, in stream order, before it runs.
+rows ``n .. bs`` are padding: they read the token at ``pad_index`` of the token pool (its
+scratch row), attend one token of the backend's pad page and write their K, V at
+``pad_slot`` there. Batches past the largest size run eagerly. Graph inputs (token indices,
+positions, KV slots) live in fixed device buffers that each replay refills, in stream order,
+before it runs; the attention backend keeps its own static metadata per size and refills it
+(``AttentionBackend.prepare_replay``). Only the backend protocol is used here, so any backend
+that is ``capturable`` can be replayed.
 
 Off CUDA nothing is captured and ``run`` calls the same forward directly on the same padded
 buffers, so the padding logic is testable on a CPU.
@@ -14,19 +17,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from asyncinfer.attention.base import AttentionContext
-from asyncinfer.attention.flashinfer_backend import (
-    FlashInferBackend,
-    FlashInferMetadata,
-    PagedLayout,
-)
+from asyncinfer.attention.base import AttentionBackend, AttentionContext
+from asyncinfer.attention.transfer import pin
+from asyncinfer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+GraphForward = Callable[[torch.Tensor, torch.Tensor, AttentionContext], torch.Tensor]
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -37,21 +39,28 @@ def batch_size_ladder(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode forwards (model and attention; sampling stays outside)."""
+    """Captured decode forwards (model and attention; sampling stays outside).
 
-    def __init__(self, backend: FlashInferBackend, forward: Callable[..., torch.Tensor],
-                 token_pool: torch.Tensor, max_bs: int, max_pages: int,
+    ``forward(input_ids, positions, attn)`` returns the logits of each row. A backend that
+    cannot be captured is refused with a ConfigError.
+    """
+
+    def __init__(self, backend: AttentionBackend, forward: GraphForward,
+                 token_pool: torch.Tensor, max_bs: int, pad_index: int, pad_slot: int,
                  device: torch.device) -> None:
+        if not backend.capturable:
+            raise ConfigError(f"{type(backend).__name__} cannot be captured in CUDA graphs; "
+                              "use cuda_graph=False with it")
         self.backend, self.forward, self.token_pool = backend, forward, token_pool
         self.device = device
         self.sizes = batch_size_ladder(max_bs)
         # inputs[0] token-pool index, inputs[1] position, inputs[2] KV slot, of each row
         self.inputs = torch.zeros(3, max_bs, dtype=torch.int64, device=device)
-        self.indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
-        self.indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
-        self.last_page_len = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.wrappers = {bs: backend.graph_decode_wrapper(bs, self.indptr, self.indices,
-                                                          self.last_page_len)
+        # What padding rows put there (host), a column per row.
+        self.padding = torch.tensor([[pad_index], [0], [pad_slot]]).expand(3, max_bs)
+        backend.init_graph_state(max_bs)
+        self.contexts = {bs: AttentionContext(backend,
+                                              backend.graph_metadata(bs, self.inputs[2, :bs]))
                          for bs in self.sizes}
         self.graphs: dict[int, Any] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -61,13 +70,11 @@ class DecodeGraphs:
         return next((bs for bs in self.sizes if bs >= n), None)
 
     def _run_forward(self, bs: int) -> torch.Tensor:
-        index, positions, out_loc = self.inputs[0, :bs], self.inputs[1, :bs], self.inputs[2, :bs]
-        input_ids = self.token_pool.view(-1)[index]
-        attn = AttentionContext(self.backend, FlashInferMetadata(self.wrappers[bs], out_loc))
-        return self.forward(input_ids, positions, attn)
+        input_ids = self.token_pool.view(-1)[self.inputs[0, :bs]]
+        return self.forward(input_ids, self.inputs[1, :bs], self.contexts[bs])
 
     @torch.inference_mode()
-    def capture(self, dummy_layout: Callable[[int], PagedLayout]) -> None:
+    def capture(self) -> None:
         """Capture every size, largest first, into one memory pool (CUDA only)."""
         if self.device.type != "cuda":
             return
@@ -77,7 +84,8 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         for bs in reversed(self.sizes):
             with torch.cuda.stream(stream):
-                self.backend.plan_decode(self.wrappers[bs], dummy_layout(bs))
+                # A batch of one token on row 0; the other rows are padding.
+                self.backend.prepare_replay(self.contexts[bs].meta, [0], [1])
                 for _ in range(2):  # warm up outside the graph (allocator, lazy init)
                     self._run_forward(bs)
             stream.synchronize()
@@ -90,13 +98,17 @@ class DecodeGraphs:
         logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.sizes,
                     time.perf_counter() - start)
 
-    def run(self, bs: int, inputs: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
-        """Refill the buffers of size ``bs`` from host ``inputs`` [3, bs] and ``layout``
-        (both already padded to ``bs``), replay, and return the logits [bs, vocab]."""
-        self.inputs[:, :bs].copy_(inputs, non_blocking=True)
-        self.backend.plan_decode(self.wrappers[bs], layout)
+    def run(self, bs: int, inputs: torch.Tensor, rows: Sequence[int],
+            ends: Sequence[int]) -> torch.Tensor:
+        """Replay the graph of size ``bs`` for a decode batch of ``n = len(rows) <= bs``
+        requests whose KV ends at ``ends``; ``inputs`` [3, n] (host) are the token-pool
+        index, position and KV slot of each. Returns the logits [n, vocab]."""
+        n = len(rows)
+        padded = torch.cat([inputs, self.padding[:, : bs - n]], dim=1)
+        self.inputs[:, :bs].copy_(pin(padded, self.device), non_blocking=True)
+        self.backend.prepare_replay(self.contexts[bs].meta, rows, ends)
         graph = self.graphs.get(bs)
         if graph is None:  # not captured (CPU): the same forward, eagerly
-            return self._run_forward(bs)
+            return self._run_forward(bs)[:n]
         graph.replay()
-        return self.logits[bs]
+        return self.logits[bs][:n]

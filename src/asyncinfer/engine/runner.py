@@ -1,4 +1,20 @@
-"""The model runner: model, KV pool, page table and token pool; runs one Batch at a time."""
+"""The model runner: model, KV pool, page table and token pool; runs one Batch at a time.
+
+``launch(batch)`` builds the batch's indices on the host (the page table lives there, the
+scheduler fills it), has the attention backend plan the batch, runs the model (or replays a
+decode CUDA graph), samples, and writes the sampled ids into the token pool.
+
+On CUDA all of it is enqueued at once, on the coordinator's thread, onto one engine stream:
+inputs are uploaded from pinned memory with non-blocking copies, the sampled tokens start a
+non-blocking copy into pinned host memory, and an event is recorded. The returned ``wait``
+blocks on that event, in the coordinator's waiter thread: that copy is the one host
+synchronisation of a step. Batch N+1 is prepared on the host (scheduling, metadata, plans)
+while the GPU runs batch N, and its uploads queue behind N: N+1 reads tokens N writes, and
+graph input buffers are shared by consecutive replays, so stream order keeps them correct.
+
+Off CUDA there is nothing to enqueue onto: the whole forward runs inside the returned call
+(the coordinator makes it in a worker thread).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +22,17 @@ import logging
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from attrs import frozen
 
-from asyncinfer.attention.base import AttentionContext
-from asyncinfer.attention.torch_backend import TorchBackend
+from asyncinfer.attention.base import AttentionContext, AttentionSpec
+from asyncinfer.attention.registry import backend_class
+from asyncinfer.attention.transfer import upload
 from asyncinfer.config import EngineConfig, ModelConfig
 from asyncinfer.core import Batch, ForwardOutput
+from asyncinfer.engine.cuda_graph import DecodeGraphs
 from asyncinfer.engine.sampler import Sampler
 from asyncinfer.errors import ConfigError
 from asyncinfer.kvcache.pool import KVPool
@@ -30,14 +47,21 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Owns the device-side state of a model and runs forwards over it.
 
-    ``token_pool[row, pos]`` holds each request's token ids and ``page_table[row, pos]`` the
-    KV slot of each position; the scheduler fills both, the runner reads them.
+    ``token_pool[row, pos]`` (on the device) holds each request's token ids and
+    ``page_table[row, pos]`` (on the host) the KV slot of each position; the scheduler fills
+    both, the runner reads them. The attention backend is ``config``'s, from the registry.
+    A backend that can be captured gets one page beyond the scheduler's (``scratch_page``),
+    which takes the K, V of CUDA-graph padding rows; the token pool's last row
+    (``max_rows``) takes the tokens nobody reads.
     """
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        backend_name = config.resolved_attention_backend
+        backend_cls = backend_class(backend_name)
+        backend_cls.check(self.device, self.dtype)  # before the time that loading takes
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.context_len = config.context_len(self.model_config)
         self.model = self._load_model(model_dir)
@@ -45,27 +69,47 @@ class ModelRunner:
         self.kv_dtype = torch.float32 if config.fp32_kernels else self.dtype
         cfg, page = self.model_config, config.page_size
         self.page_size = page
-        self.num_pages = config.num_pages or self._pages_from_budget()
-        self.pool = KVPool(cfg.num_layers, self.num_pages + self.extra_pages, page,
+        extra_pages = 1 if backend_cls.capturable else 0
+        self.num_pages = config.num_pages or self._pages_from_budget(extra_pages)
+        self.scratch_page = self.num_pages if backend_cls.capturable else None
+        self.pool = KVPool(cfg.num_layers, self.num_pages + extra_pages, page,
                            cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         if config.compiles:
             self.model.compile_layer_ops(self.pool)
         self.max_rows = config.max_running_requests
         # Whole pages per row, plus one column so a sampled token always has a place.
         self.width = -(-self.context_len // page) * page + 1
-        self.page_table = torch.zeros(self.max_rows, self.width, dtype=torch.int64,
-                                      device=self.table_device)
+        self.page_table = torch.zeros(self.max_rows, self.width, dtype=torch.int64)
         # One row more than requests: tokens nobody reads (a mid-prompt chunk's) land there.
         self.token_pool = torch.zeros(self.max_rows + 1, self.width, dtype=torch.int64,
                                       device=self.device)
-        self.backend = self._make_backend()
+        self.backend = backend_cls(AttentionSpec(
+            self.pool, self.page_table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.head_dim**-0.5, self.dtype, self.device, self.scratch_page))
         self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device)
         self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
-        logger.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB)%s", self.num_pages,
-                    page, self.num_pages * page,
+        self.stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
+            # What the set-up queued (the pool's zeros, ...) comes before anything launched.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graph and backend_cls.capturable:
+            assert self.scratch_page is not None
+            self.graphs = DecodeGraphs(
+                self.backend, lambda ids, pos, attn: self.logits(self.model(ids, pos, attn)),
+                self.token_pool, min(config.cuda_graph_max_bs or self.max_rows, self.max_rows),
+                pad_index=self.max_rows * self.width, pad_slot=self.scratch_page * page,
+                device=self.device)
+            if self.stream is not None:  # nothing is captured off CUDA
+                with torch.cuda.stream(self.stream):
+                    self.graphs.capture()
+        logger.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB)%s; %s attention, "
+                    "decode graphs %s", self.num_pages, page, self.num_pages * page,
                     self.num_pages * page * cfg.kv_bytes_per_token(self.kv_dtype) / 2**30,
                     "; float32 kernels for half-precision values" if config.fp32_kernels
-                    else "")
+                    else "", backend_name,
+                    self.graphs.sizes if self.graphs else "off")
 
     @property
     def logits_dtype(self) -> torch.dtype:
@@ -76,17 +120,6 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits for ``hidden``, in ``logits_dtype``."""
         return self.model.compute_logits(hidden, upcast=self.logits_dtype == torch.float32)
-
-    # Hooks a subclass for another attention backend overrides.
-    extra_pages = 0                                   # pages beyond those the scheduler owns
-
-    @property
-    def table_device(self) -> torch.device:
-        """Where the page table lives (the torch backend indexes it on the model's device)."""
-        return self.device
-
-    def _make_backend(self) -> Any:
-        return TorchBackend(self.pool, self.page_table, self.model_config.head_dim**-0.5)
 
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
         cfg = self.model_config
@@ -104,7 +137,7 @@ class ModelRunner:
             model.use_fp32_shadow()
         return model
 
-    def _pages_from_budget(self) -> int:
+    def _pages_from_budget(self, extra_pages: int) -> int:
         per_page = self.model_config.kv_bytes_per_token(self.kv_dtype) * self.page_size
         if self.config.kv_cache_gb is not None:
             budget = int(self.config.kv_cache_gb * 2**30)
@@ -112,39 +145,75 @@ class ModelRunner:
             budget = cuda_kv_budget(self.device, self.config.gpu_memory_utilization)
         else:
             budget = 2 * 2**30
-        return max(1, budget // per_page - self.extra_pages)
+        return max(1, budget // per_page - extra_pages)
 
     def write_prompt(self, row: int, token_ids: Sequence[int]) -> None:
-        """Put a newly admitted request's prompt into its token-pool row."""
-        self.token_pool[row, : len(token_ids)] = torch.tensor(list(token_ids)).to(self.device)
-
-    def launch(self, batch: Batch) -> Callable[[], ForwardOutput]:
-        """Start a batch; calling the result waits for it and returns its tokens.
-
-        Here the whole forward runs inside the returned call (the coordinator makes it in a
-        worker thread); the CUDA runner enqueues the work at once and only waits there.
-        """
-        return partial(self.forward, batch)
+        """Put a newly admitted request's prompt into its token-pool row (on CUDA: in order
+        on the engine stream, without blocking)."""
+        ids = torch.tensor(list(token_ids), dtype=torch.int64)
+        if self.stream is None:
+            self.token_pool[row, : len(ids)] = ids
+            return
+        with torch.cuda.stream(self.stream):
+            self.token_pool[row, : len(ids)].copy_(upload(ids, self.device))
 
     def synchronize(self) -> None:
         """Wait until nothing launched is still running on the device."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.stream is not None:
+            self.stream.synchronize()
 
-    @torch.inference_mode()
     def forward(self, batch: Batch) -> ForwardOutput:
         """Compute the batch's new tokens, sample one token per request, write it back."""
+        return self.launch(batch)()
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch) -> Callable[[], ForwardOutput]:
+        """Start a batch; calling the result waits for it and returns its tokens."""
+        if self.stream is None:
+            return partial(self._forward_here, batch)
+        with torch.cuda.stream(self.stream):
+            tokens, logits = self._enqueue(batch)
+            out = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            out.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+
+        def wait() -> ForwardOutput:
+            done.synchronize()
+            return ForwardOutput(out, logits)
+
+        return wait
+
+    @torch.inference_mode()
+    def _forward_here(self, batch: Batch) -> ForwardOutput:
+        return ForwardOutput(*self._enqueue(batch))
+
+    def _enqueue(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the batch on the current stream: its sampled tokens [B] and logits."""
         host = host_inputs(batch, self.width, self.max_rows)
-        index = host.input_index.to(self.device)
-        positions = host.positions.to(self.device)
-        input_ids = self.token_pool.view(-1)[index]
-        attn = AttentionContext(self.backend,
-                                self.backend.prepare(batch, index // self.width, positions))
-        hidden = self.model(input_ids, positions, attn)
-        logits = self.logits(hidden[host.last_index.to(self.device)])
-        next_tokens = self.sampler.sample(logits, batch.params, batch.steps)
-        self.token_pool.view(-1)[host.write_index.to(self.device)] = next_tokens
-        return ForwardOutput(next_tokens.cpu(), logits)
+        bs = self.graphs.pick(batch.size) if (
+            self.graphs is not None and batch.phase == "decode") else None
+        logits = (self._replay(batch, host, bs) if bs is not None
+                  else self._eager(batch, host))
+        tokens = self.sampler.sample(logits, batch.params, batch.steps)
+        self.token_pool.view(-1)[upload(host.write_index, self.device)] = tokens
+        return tokens, logits
+
+    def _eager(self, batch: Batch, host: HostInputs) -> torch.Tensor:
+        out_loc = self.page_table.view(-1)[host.input_index]
+        packed = upload(torch.cat([host.input_index, host.positions, out_loc,
+                                   host.last_index]), self.device)
+        index, positions, out_loc_dev, last = packed.split(
+            [len(host.positions)] * 3 + [batch.size])
+        attn = AttentionContext(self.backend, self.backend.plan(batch, out_loc_dev))
+        hidden = self.model(self.token_pool.view(-1)[index], positions, attn)
+        return self.logits(hidden[last])
+
+    def _replay(self, batch: Batch, host: HostInputs, bs: int) -> torch.Tensor:
+        assert self.graphs is not None
+        inputs = torch.stack([host.input_index, host.positions,
+                              self.page_table.view(-1)[host.input_index]])
+        return self.graphs.run(bs, inputs, batch.rows, batch.ends)
 
 
 @frozen

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from asyncinfer.engine.transfer import upload
+from asyncinfer.attention.transfer import upload
 from asyncinfer.layers import triton_ops
 from asyncinfer.layers.fused import WARM_UP_ROWS, compiled, dynamic_rows
 from asyncinfer.params import SamplingParams
@@ -70,7 +70,7 @@ def apply_min_p(probs: Tensor, min_p: Tensor) -> Tensor:
 
 def device_tensor(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
                   device: torch.device) -> Tensor:
-    """A small host list on ``device`` without blocking the host (see engine/transfer.py)."""
+    """A small host list on ``device`` without blocking the host (see attention/transfer.py)."""
     return upload(torch.tensor(values, dtype=dtype), device)
 
 

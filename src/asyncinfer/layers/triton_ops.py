@@ -35,13 +35,10 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 
 def available(device: torch.device, op: str = "") -> bool:
-    """Whether the Triton kernels (or the one named ``op``) can run on ``device``, to measure
-    against torch.compile's kernels: ``ASYNCINFER_TRITON_OPS=0`` turns them all off,
-    ``ASYNCINFER_NO_TRITON=race,rope`` the ones named."""
-    if os.environ.get("ASYNCINFER_TRITON_OPS") == "0":
-        return False
-    if op and op in os.environ.get("ASYNCINFER_NO_TRITON", "").split(","):
-        return False
+    """Whether the Triton kernels can run on ``device``: Triton is importable and the device
+    is CUDA (or Triton's interpreter runs them on the CPU, ``TRITON_INTERPRET=1``). ``op``
+    names the caller's kernel ("race", "rope"); every kernel here is available together."""
+    del op
     return triton is not None and (device.type == "cuda"
                                    or os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -186,9 +183,8 @@ def race(logits: Tensor, inv_temperature: Tensor, keys: Tensor) -> Tensor:
 def rope_group(tokens: int) -> tuple[int, int]:
     """Heads per program and warps for ``tokens`` tokens: one head a program for a few tokens
     (a decode step of a small batch is bound by one program's latency), eight for many (each
-    program then amortises its cos/sin loads and launch over more work). H200, a decode step
-    of 28 layers at batch 256 / 64 / 1: one head a program 175 / 64 / 39 us, all heads a
-    program 86 / 77 / 68, these groups 70 / 64 / 43."""
+    program then amortises its cos/sin loads and launch over more work), four between; the
+    groupings were measured against each other (see docs/benchmarks.md)."""
     if tokens < 16:
         return 1, 1
     if tokens < 128:
