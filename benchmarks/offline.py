@@ -1,4 +1,5 @@
-"""Offline throughput on DESIGN.md's workloads: asyncinfer beside its peers, in one run.
+"""Offline throughput on the CPU offline workload or nano-vllm's: asyncinfer beside its
+peers, in one run.
 
 Peers: transformers' ``generate`` in static batches of 8 (left-padded, EOS ignored, each
 batch runs to its longest ``max_tokens``; only the tokens each request asked for count),
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -18,8 +20,8 @@ from typing import Any
 
 import torch
 
-from asyncinfer.bench.util import git_commit
-from asyncinfer.bench.workloads import cpu_offline
+from benchmarks.util import git_commit
+from benchmarks.workloads import cpu_offline
 
 
 def run_asyncinfer(model: str | None, prompts: list[list[int]], max_tokens: list[int],
@@ -78,13 +80,13 @@ def run_vllm(python: str, model_dir: Path, dtype: str) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`asyncinfer bench offline`."""
+    """``python -m benchmarks.offline``."""
     from asyncinfer.config import EngineConfig
     from asyncinfer.models.source import resolve_model
     from asyncinfer.options import engine_options
 
     if args.workload == "gpu":
-        from asyncinfer.bench.gpu_offline import main as gpu_main
+        from benchmarks.gpu_offline import main as gpu_main
 
         return gpu_main(args)
     prompts, max_tokens = cpu_offline()
@@ -114,3 +116,44 @@ def main(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's command line; the engine options come from EngineConfig."""
+    from asyncinfer.options import add_engine_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.offline",
+        description="Offline tokens/s on the CPU offline workload, or nano-vllm's "
+                    "with --workload gpu, beside transformers and vLLM.")
+    parser.add_argument("--workload", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--shape", choices=["qwen3-0.6b"], default=None,
+                         help="gpu workload: a model of this shape with dummy weights")
+    parser.add_argument("--temperature", type=float, default=None,
+                         help="default: 0 (greedy) on cpu, 0.6 on gpu as nano-vllm's bench")
+    parser.add_argument("--profile", action="store_true",
+                         help="gpu: also profile one decode step (attention, matmul, ...)")
+    parser.add_argument("--host-profile", default=None, metavar="FILE",
+                         help="gpu: after the timed run, run again under cProfile and write "
+                              "where the host's time goes to FILE")
+    parser.add_argument("--gpu-busy", action="store_true",
+                         help="gpu: trace kernels over the run (busy vs wall; slows it)")
+    parser.add_argument("--peer-budget", type=float, default=400.0,
+                         help="gpu: seconds the transformers peer may run")
+    parser.add_argument("--peers", default="transformers,vllm",
+                         help="comma-separated peers to run beside us ('' for none)")
+    parser.add_argument("--vllm-python", default=None,
+                         help="python of a venv with vLLM (benchmarks/setup_vllm_cpu.sh makes one)")
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    add_engine_arguments(parser, title="engine options", defaults_here={
+        "device": "cpu on the cpu workload, cuda on the gpu one",
+        "max_running_requests": "64 on the cpu workload, 256 on the gpu one",
+        "max_extend_tokens": "the engine's on cpu, 16384 on gpu",
+        "max_seq_len": "2048",
+        "load_format": "auto; dummy with --shape"})
+    return parser
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sys.exit(main(build_parser().parse_args()))

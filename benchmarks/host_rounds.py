@@ -1,4 +1,4 @@
-"""The host's share of a scheduling round, with no model (``-m asyncinfer.bench.host_rounds``).
+"""The host's share of a scheduling round, with no model (``-m benchmarks.host_rounds``).
 
 A null engine stands in for the runner: it builds what the CUDA runner builds on the host
 for each batch (the host inputs, the paged layout, the sampler's row keys) and returns a
@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from asyncinfer.attention.flashinfer_backend import paged_layout
-from asyncinfer.bench.workloads import gpu_offline
 from asyncinfer.config import EngineConfig
 from asyncinfer.core import Batch, ForwardOutput
 from asyncinfer.engine.runner import host_inputs
@@ -29,6 +28,7 @@ from asyncinfer.engine.sampler import Sampler
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.registry import load_policy
 from asyncinfer.scheduler.scheduler import Scheduler
+from benchmarks.workloads import gpu_offline
 
 
 class NullEngine:

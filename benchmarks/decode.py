@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-from asyncinfer.bench.util import git_commit
+from benchmarks.util import git_commit
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -83,7 +85,7 @@ def run(model: str | None, batch_sizes: list[int], prompt_len: int, new_tokens: 
 
 
 def main(args: argparse.Namespace) -> int:
-    """`asyncinfer bench decode`."""
+    """``python -m benchmarks.decode``."""
     from asyncinfer.options import engine_options
 
     options = engine_options(args)
@@ -93,3 +95,27 @@ def main(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """This benchmark's command line; the engine options come from EngineConfig."""
+    from asyncinfer.options import add_engine_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.decode",
+        description="Single-request and batched decode tokens/s, ours and "
+                    "transformers'.")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    add_engine_arguments(parser, title="engine options", defaults_here={
+        "max_running_requests": "the largest batch size", "kv_cache_gb": "0.5",
+        "cache_type": "naive"})
+    return parser
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sys.exit(main(build_parser().parse_args()))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rate sweep of `asyncinfer bench serve` against a CPU server, one server per policy.
-# Usage: bash src/asyncinfer/bench/serve_sweep.sh OUT_DIR [RATES] [REQUESTS]
+# Usage: bash benchmarks/serve_sweep.sh OUT_DIR [RATES] [REQUESTS]
 # Writes OUT_DIR/POLICY-rRATE.json per run and OUT_DIR/serve-sweep.png (TTFT, TPOT vs rate).
 set -euo pipefail
 out="${1:?usage: $0 OUT_DIR [RATES] [REQUESTS]}"
@@ -24,4 +24,4 @@ for policy in prefill_first decode_first skip_ahead; do
   kill "$server"
   wait "$server" 2>/dev/null || true
 done
-python -m asyncinfer.bench.plot "$out/serve-sweep.png" "$out"/*-r*.json
+python -m benchmarks.plot "$out/serve-sweep.png" "$out"/*-r*.json

@@ -1,4 +1,4 @@
-"""The benchmark workloads of DESIGN.md ("Measured anchors"), drawn exactly as specified."""
+"""The offline workloads: the CPU one, and nano-vllm's bench (random.seed(0) draws)."""
 
 from __future__ import annotations
 

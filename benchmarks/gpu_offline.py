@@ -1,7 +1,7 @@
 """The GPU offline benchmark: nano-vllm's workload on one GPU, beside transformers' continuous
 batching, with the memory-bandwidth floor and a profile of one decode step.
 
-``asyncinfer bench offline --workload gpu --device cuda --shape qwen3-0.6b`` (dummy weights).
+``python -m benchmarks.offline --workload gpu --shape qwen3-0.6b`` (dummy weights).
 Sampling follows nano-vllm's bench: temperature 0.6, EOS ignored.
 """
 
@@ -197,17 +197,17 @@ def host_stalls(rounds: list[Round], pauses: list[tuple[float, float, int]], sta
 
 
 def main(args: Any) -> int:
-    """`asyncinfer bench offline --workload gpu`."""
+    """``python -m benchmarks.offline --workload gpu``."""
     import tempfile
 
     from asyncinfer.api import LLM
-    from asyncinfer.bench.profile import profile_decode_step
-    from asyncinfer.bench.util import git_commit
-    from asyncinfer.bench.workloads import gpu_offline
     from asyncinfer.config import EngineConfig
     from asyncinfer.models.source import resolve_model
     from asyncinfer.options import engine_options
     from asyncinfer.params import SamplingParams
+    from benchmarks.kernel_profile import profile_decode_step
+    from benchmarks.util import git_commit
+    from benchmarks.workloads import gpu_offline
 
     prompts, max_tokens = gpu_offline()
     temperature = 0.6 if args.temperature is None else args.temperature
@@ -250,7 +250,7 @@ def main(args: Any) -> int:
     llm.engine.observe_rounds(None)
     busy = None
     if trace is not None:
-        from asyncinfer.bench.profile import kernel_busy
+        from benchmarks.kernel_profile import kernel_busy
 
         busy = kernel_busy(trace)
         busy["host"] = host_stalls(rounds, pauses, start)

@@ -1,6 +1,6 @@
 """Latency against request rate from `asyncinfer bench serve --json` reports, one line per policy.
 
-``python -m asyncinfer.bench.plot OUT.png REPORT.json...`` draws the same from files.
+``python -m benchmarks.plot OUT.png REPORT.json...`` draws the same from files.
 Needs matplotlib: ``pip install 'asyncinfer[bench]'``.
 """
 
@@ -69,7 +69,7 @@ def _or_nan(value: float | None) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m asyncinfer.bench.plot OUT.png REPORT.json...``."""
+    """``python -m benchmarks.plot OUT.png REPORT.json...``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2:
         print(__doc__, file=sys.stderr)

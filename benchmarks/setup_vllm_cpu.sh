@@ -80,6 +80,6 @@ fi
 
 # Run the peer, e.g.:
 #   OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 \
-#     "$VENV/bin/python" src/asyncinfer/bench/vllm_peer.py \
+#     "$VENV/bin/python" benchmarks/vllm_peer.py \
 #       --model /tmp/aicache/models/SmolLM2-135M-Instruct \
 #       --dtype bfloat16 --workload cpu --json vllm_cpu.json
