@@ -1,6 +1,7 @@
 """The radix cache maps each cached whole-page prefix to the pages first stored for it,
 conserves pages with the allocator, never evicts a locked path, and decides the same way
-every time."""
+every time. The naive cache shares nothing and keeps nothing; both are the prefix caches the
+cache manager picks by name."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from asyncinfer.kvcache.pool import PageAllocator
-from asyncinfer.kvcache.radix import Chunk, Node, PrefixMatch, RadixCache
+from asyncinfer.kvcache.prefix import NaiveCache, PrefixCache, PrefixMatch
+from asyncinfer.kvcache.radix import Chunk, Node, RadixCache
+from asyncinfer.scheduler.cache import PREFIX_CACHES
 
 
 def cached_prefixes(cache: RadixCache) -> dict[tuple[Chunk, ...], int]:
@@ -29,7 +32,7 @@ def cached_prefixes(cache: RadixCache) -> dict[tuple[Chunk, ...], int]:
 def test_match_on_empty_tree_returns_root() -> None:
     cache = RadixCache(page_size=2)
     match = cache.match_prefix([1, 2, 3, 4, 5])
-    assert (match.num_tokens, match.pages, match.node) == (0, [], cache.root)
+    assert (match.num_tokens, match.pages, match.handle) == (0, [], cache.root)
 
 
 def test_match_returns_page_aligned_prefix_of_longer_sequence() -> None:
@@ -61,8 +64,8 @@ def test_match_ending_inside_an_edge_splits_it_so_the_lock_covers_only_the_match
     cache = RadixCache(page_size=2)
     cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12])
     match = cache.match_prefix([1, 2, 3, 4, 0])
-    assert match.node.pages == [10, 11]
-    cache.lock(match.node)
+    assert match.handle.pages == [10, 11]
+    cache.lock(match.handle)
     assert cache.evictable_pages == 1
     assert cache.evict(3) == [12]
 
@@ -97,17 +100,17 @@ def test_locked_path_is_never_evicted() -> None:
     cache.insert([1, 2, 3], [10, 11, 12])
     cache.insert([1, 4], [10, 21])
     match = cache.match_prefix([1, 2, 3, 0])
-    cache.lock(match.node)
+    cache.lock(match.handle)
     assert cache.evict(10) == [21]
     assert cache.cached_pages == 3
-    cache.unlock(match.node)
+    cache.unlock(match.handle)
     assert sorted(cache.evict(10)) == [10, 11, 12]
 
 
 @define
 class Request:
     tokens: list[int]
-    match: PrefixMatch
+    match: PrefixMatch[Node]
     fresh: list[int]
 
 
@@ -159,12 +162,12 @@ class RadixCacheMachine(RuleBasedStateMachine):
             expected.append(self.model[tuple(chunks[: len(expected) + 1])])
         assert match.pages == expected
         assert match.num_tokens == len(expected) * self.page_size
-        self.cache.lock(match.node)
+        self.cache.lock(match.handle)
         need = -(-len(tokens) // self.page_size) - len(match.pages)
         if need > self.allocator.num_free:
             self.evict(need - self.allocator.num_free)
         if need > self.allocator.num_free:
-            self.cache.unlock(match.node)
+            self.cache.unlock(match.handle)
             return
         self.in_flight.append(Request(tokens, match, self.allocator.allocate(need)))
 
@@ -185,7 +188,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
             returned = self.cache.insert(request.tokens, pages)
             assert returned == expected + pages[len(chunks) :]
             self.allocator.free(returned)
-        self.cache.unlock(request.match.node)
+        self.cache.unlock(request.match.handle)
 
     @rule(num_pages=st.integers(0, TOTAL_PAGES))
     def evict_some(self, num_pages: int) -> None:
@@ -225,7 +228,7 @@ def scripted_evictions() -> list[list[int]]:
     cache.insert([1, 2, 3, 4, 7, 8], [0, 1, 3])
     cache.insert([9, 9, 1, 2], [4, 5])
     cache.insert([1, 2, 8, 8, 8], [0, 6, 7])
-    held = cache.match_prefix([9, 9, 1, 2, 0]).node
+    held = cache.match_prefix([9, 9, 1, 2, 0]).handle
     cache.lock(held)
     cache.match_prefix([1, 2, 3, 4, 7, 8, 0])
     evictions = [cache.evict(1) for _ in range(4)]
@@ -238,3 +241,24 @@ def test_same_calls_give_same_eviction_order() -> None:
     first = scripted_evictions()
     assert first == scripted_evictions()
     assert sorted(page for pages in first for page in pages) == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_naive_cache_matches_nothing_and_returns_every_page() -> None:
+    cache = NaiveCache(page_size=2)
+    match = cache.match_prefix([1, 2, 3, 4, 5])
+    assert (match.num_tokens, match.pages) == (0, [])
+    cache.lock(match.handle)
+    assert cache.evict(4) == []
+    cache.unlock(match.handle)
+    assert cache.insert([1, 2, 3, 4, 5], [10, 11, 12]) == [10, 11, 12]
+    assert cache.match_prefix([1, 2, 3, 4, 5]).pages == []
+    assert cache.cached_pages == cache.evictable_pages == 0
+
+
+def test_the_registry_names_both_caches_and_only_radix_shares() -> None:
+    caches: dict[str, PrefixCache[object]] = {
+        name: make(4) for name, make in PREFIX_CACHES.items()}
+    assert {name: type(cache) for name, cache in caches.items()} == {
+        "naive": NaiveCache, "radix": RadixCache}
+    assert {name: cache.shares for name, cache in caches.items()} == {
+        "naive": False, "radix": True}

@@ -4,7 +4,8 @@ driven with a fake engine.
 For every built-in policy and both cache types: budgets are never exceeded, pages are
 conserved after every step, finished and aborted requests hold nothing, every request
 finishes with the output it would have had alone (preempted and recovered ones too), a
-suspect never shares a batch, and each policy keeps its fairness promise.
+suspect never shares a batch, and each policy keeps its fairness promise. Rows go out
+lowest first, and a request moves between its row states only as documented.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from asyncinfer.errors import EngineError
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import Decision, Policy
 from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, SkipAhead
+from asyncinfer.scheduler.request import Req, RowState
 from asyncinfer.scheduler.scheduler import ScheduledBatch, Scheduler
+from asyncinfer.scheduler.table import RowTable
 from tests.fake_engine import EOS, FakeEngine, reference_output
 
 PREFIXES = [[], [5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23, 24, 25]]
@@ -246,3 +249,45 @@ def test_a_policy_that_never_admits_is_a_clear_error_not_a_hang() -> None:
     sched.add_request(0, [1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(EngineError, match=r"decode_only.*admitted nothing"):
         sched.step()
+
+
+def test_rows_go_out_lowest_first_whatever_the_release_order() -> None:
+    table = RowTable(4)
+    assert [table.allocate() for _ in range(4)] == [0, 1, 2, 3]
+    for row in (2, 0, 3):
+        table.release(row)
+    assert (table.free_rows, table.num_free) == ([0, 2, 3], 3)
+    assert table.allocate() == 0
+    with pytest.raises(AssertionError, match="released twice"):
+        table.release(2)
+
+
+def test_a_request_moves_through_its_row_states_in_order() -> None:
+    req = Req(0, [1, 2, 3], SamplingParams(), max_tokens=4, arrival_round=0)
+    assert (req.row, req.row_state, req.admitted) == (None, RowState.NONE, False)
+    with pytest.raises(AssertionError, match="unclaimed"):
+        req.take_row(1)
+    req.claim_row()
+    assert (req.row, req.row_state, req.admitted) == (None, RowState.CLAIMED, False)
+    req.take_row(5)
+    assert (req.row, req.row_state, req.admitted) == (5, RowState.HELD, True)
+    assert req.drop_row() == 5
+    assert (req.row, req.row_state, req.admitted) == (None, RowState.NONE, False)
+    with pytest.raises(AssertionError, match="holds no row"):
+        req.drop_row()
+
+
+@pytest.mark.parametrize("cache_type", ["naive", "radix"])
+def test_prefix_lookups_are_counted_only_by_a_cache_that_shares(cache_type: str) -> None:
+    engine = FakeEngine(page_size=4)
+    config = EngineConfig(cache_type=cache_type)  # type: ignore[arg-type]
+    sched = Scheduler(engine, PrefillFirst(), config, frozenset())
+    prompt = list(range(1, 14))
+    for uid in range(2):  # the second finds the first's three full prompt pages cached
+        sched.add_request(uid, prompt, SamplingParams(max_tokens=2, temperature=0.0))
+        while sched.has_work:
+            sched.step()
+    stats = sched.cache.stats
+    counts = (stats.queries, stats.hits, stats.query_tokens, stats.hit_tokens)
+    assert counts == ((2, 1, 26, 12) if cache_type == "radix" else (0, 0, 0, 0))
+    sched.check_invariants()

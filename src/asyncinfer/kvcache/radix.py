@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import ClassVar
 
-from attrs import define, field, frozen
+from attrs import define, field
+
+from asyncinfer.kvcache.prefix import PrefixMatch
 
 Chunk = tuple[int, ...]
 
@@ -23,20 +26,15 @@ class Node:
     children: dict[Chunk, Node] = field(factory=dict)
 
 
-@frozen
-class PrefixMatch:
-    """The longest cached prefix: its length in tokens, its pages in order, and its last node."""
-
-    num_tokens: int
-    pages: list[int]
-    node: Node
-
-
 class RadixCache:
     """Prefix tree whose nodes own KV pages: it adopts pages on insert, hands them back on evict.
 
-    Every order (children, LRU ties) comes from counters, so every rank makes the same choices.
+    A ``kvcache.prefix.PrefixCache`` whose handles are nodes: a match's handle is the deepest
+    node of the matched path, and locking it pins the path. Every order (children, LRU ties)
+    comes from counters, so every rank makes the same choices.
     """
+
+    shares: ClassVar[bool] = True
 
     def __init__(self, page_size: int) -> None:
         assert page_size > 0, f"page_size must be positive, got {page_size}"
@@ -57,8 +55,9 @@ class RadixCache:
         """Pages in unreferenced nodes, which evicting leaves over and over would free."""
         return self._evictable
 
-    def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
-        """Longest cached whole-page prefix of ``tokens``, leaving at least the last token out."""
+    def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch[Node]:
+        """Longest cached whole-page prefix of ``tokens``, leaving at least the last token out;
+        its handle is the last node of the path (the root when nothing matched)."""
         # The caller must compute at least one token to get logits for the next one.
         num_chunks = max(0, (len(tokens) - 1) // self.page_size)
         node, pages = self._walk(self._chunks(tokens, num_chunks))

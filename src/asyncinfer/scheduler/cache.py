@@ -1,21 +1,35 @@
-"""The cache manager: pages for requests, shared through the radix prefix cache or not."""
+"""The cache manager: pages for requests, shared through a prefix cache (or not)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 from attrs import define
 
 from asyncinfer.kvcache.pool import PageAllocator
+from asyncinfer.kvcache.prefix import NaiveCache, PrefixCache
 from asyncinfer.kvcache.radix import RadixCache
 from asyncinfer.scheduler.request import Req
+
+PREFIX_CACHES: dict[str, Callable[[int], PrefixCache[Any]]] = {
+    "naive": NaiveCache,    # no sharing: every page returns to the free list
+    "radix": RadixCache,    # a prefix tree of finished sequences' full pages
+}
+"""``EngineConfig.cache_type`` -> the prefix cache it names, built from the page size."""
 
 
 @define
 class PrefixCacheStats:
     """Prefix-cache lookups since the start, for metrics: one per admitted request (a
     recompute after a preemption is not a new request), with the prompt tokens queried and
-    those found cached. A hit is a lookup that found at least one token."""
+    those found cached. A hit is a lookup that found at least one token.
+
+    Only a cache that shares pages (``PrefixCache.shares``) counts: with ``naive`` every
+    count stays 0, as the engine's stats promise without a prefix cache.
+    """
 
     queries: int = 0
     hits: int = 0
@@ -33,9 +47,11 @@ class PrefixCacheStats:
 class CacheManager:
     """Hands out pages, writes them into the page table, and gives them back at the end.
 
-    With ``cache_type="radix"`` a finished request's full pages stay in a prefix tree that
-    later requests match against; unreferenced ones are evicted, least recently used first,
-    when the free list runs short. With ``"naive"`` every page returns to the free list.
+    The prefix cache named by ``cache_type`` (see ``PREFIX_CACHES``) decides what is shared:
+    a request is matched against it on admission and pins what matched; a finished
+    request's pages are offered to it; its unpinned pages are evicted when the free list runs
+    short. With ``"radix"`` finished requests' full pages stay in a prefix tree, evicted
+    least recently used first; with ``"naive"`` every page returns to the free list.
     """
 
     def __init__(self, num_pages: int, page_size: int, page_table: torch.Tensor,
@@ -44,19 +60,18 @@ class CacheManager:
         self.page_size = page_size
         self.page_table = page_table
         self.allocator = PageAllocator(num_pages)
-        self.radix = RadixCache(page_size) if cache_type == "radix" else None
+        self.prefix: PrefixCache[Any] = PREFIX_CACHES[cache_type](page_size)
         self.stats = PrefixCacheStats()
 
     @property
     def available_pages(self) -> int:
         """Pages that can be had now: free ones and evictable cached ones."""
-        evictable = self.radix.evictable_pages if self.radix is not None else 0
-        return self.allocator.num_free + evictable
+        return self.allocator.num_free + self.prefix.evictable_pages
 
     @property
     def cached_pages(self) -> int:
         """Pages owned by the prefix cache."""
-        return self.radix.cached_pages if self.radix is not None else 0
+        return self.prefix.cached_pages
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold ``num_tokens`` tokens."""
@@ -69,20 +84,21 @@ class CacheManager:
     def match(self, req: Req) -> None:
         """Attach the longest cached prefix of the sequence to prefill (the prompt, and the
         outputs of a preempted request) to ``req`` and pin it."""
-        if self.radix is None:
-            return
-        found = self.radix.match_prefix(req.token_ids())
-        self.radix.lock(found.node)
-        req.prefix_node = found.node
+        # Tried for every candidate of every prefill round: a request with no outputs yet is
+        # looked up on its prompt itself, not on a copy.
+        found = self.prefix.match_prefix(req.token_ids() if req.output_ids else req.prompt_ids)
+        if found.pages:  # an empty prefix has no pages to pin
+            self.prefix.lock(found.handle)
+            req.prefix_handle = found.handle
         req.pages = list(found.pages)
         req.shared_pages = len(found.pages)
         req.cached_len = found.num_tokens
 
     def unmatch(self, req: Req) -> None:
         """Undo ``match`` for a request that was not admitted after all."""
-        if self.radix is not None and req.prefix_node is not None:
-            self.radix.unlock(req.prefix_node)
-        req.prefix_node, req.pages, req.shared_pages = None, [], 0
+        if req.prefix_handle is not None:
+            self.prefix.unlock(req.prefix_handle)
+        req.prefix_handle, req.pages, req.shared_pages = None, [], 0
         req.cached_len = 0
 
     def admit(self, req: Req) -> None:
@@ -92,10 +108,10 @@ class CacheManager:
         ``stats``; a recompute after a preemption changes neither.
         """
         if req.shared_pages:
-            self._write(req.row, 0, req.pages[: req.shared_pages])
+            self._write(req, 0, req.pages[: req.shared_pages])
         if req.preemptions == 0:
             req.prefix_len = req.cached_len
-            if self.radix is not None:
+            if self.prefix.shares:
                 self.stats.record(req.prompt_len, req.cached_len)
 
     def allocate(self, req: Req, end: int) -> None:
@@ -104,32 +120,32 @@ class CacheManager:
         if need <= 0:
             return
         short = need - self.allocator.num_free
-        if short > 0:
-            assert self.radix is not None, "allocation beyond the free list without a cache"
-            self.allocator.free(self.radix.evict(short))
+        if short > 0:  # the admission checks counted on these being evictable
+            self.allocator.free(self.prefix.evict(short))
         new = self.allocator.allocate(need)
-        self._write(req.row, len(req.pages), new)
+        self._write(req, len(req.pages), new)
         req.pages.extend(new)
 
     def release(self, req: Req, keep: bool) -> None:
-        """Return the pages of a finished or aborted request.
+        """Return the pages of a finished or aborted request and unpin its matched prefix.
 
-        With ``keep`` (a normal finish) its full pages of computed KV go to the prefix cache.
+        With ``keep`` (a normal finish) its full pages of computed KV are offered to the
+        prefix cache; otherwise (an abort, a preemption) only its own pages are freed: their
+        KV may be partial, or corrupt after a failed forward.
         """
-        own = req.pages[req.shared_pages :]
-        if self.radix is None:
-            self.allocator.free(own)
+        if keep:
+            computed = req.token_ids()[: req.cached_len]
+            self.allocator.free(self.prefix.insert(computed, req.pages))
         else:
-            if keep:
-                computed = req.token_ids()[: req.cached_len]
-                self.allocator.free(self.radix.insert(computed, req.pages))
-            else:
-                self.allocator.free(own)
-            if req.prefix_node is not None:
-                self.radix.unlock(req.prefix_node)
-        req.pages, req.shared_pages, req.prefix_node = [], 0, None
+            self.allocator.free(req.pages[req.shared_pages :])
+        if req.prefix_handle is not None:
+            self.prefix.unlock(req.prefix_handle)
+        req.pages, req.shared_pages, req.prefix_handle = [], 0, None
 
-    def _write(self, row: int, first_page: int, pages: list[int]) -> None:
+    def _write(self, req: Req, first_page: int, pages: list[int]) -> None:
+        """Point positions from ``first_page`` on of ``req``'s row at ``pages``' slots."""
+        row = req.row
+        assert row is not None, f"request {req.uid} holds no row"
         size = self.page_size
         slots = (np.asarray(pages, np.int64)[:, None] * size + np.arange(size)).ravel()
         start = first_page * size

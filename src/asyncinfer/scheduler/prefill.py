@@ -16,7 +16,8 @@ class PrefillAdder:
     sequence (its prompt, with its outputs after a preemption; or, with chunked prefill, for
     a first chunk of it), and the pages it may ever need fit in what is available after
     every admitted request's own future needs are reserved, so running requests never run
-    out of KV.
+    out of KV. A newly admitted request claims a row (``free_slots`` counts the unclaimed
+    ones); the scheduler hands out the rows themselves when it builds the batch.
     """
 
     cache: CacheManager
@@ -45,7 +46,7 @@ class PrefillAdder:
             return False
         self.free_slots -= 1
         self.reserved_pages += need
-        req.row = -2  # claimed; the scheduler gives it a real row
+        req.claim_row()  # the scheduler gives it its row as it builds the batch
         return self._take_chunk(req)
 
     def _take_chunk(self, req: Req) -> bool:

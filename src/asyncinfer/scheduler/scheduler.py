@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import cast
 
 from attrs import define, evolve
 
@@ -35,7 +36,8 @@ from asyncinfer.policies.base import (
 from asyncinfer.scheduler.cache import CacheManager
 from asyncinfer.scheduler.engine import Engine
 from asyncinfer.scheduler.prefill import PrefillAdder
-from asyncinfer.scheduler.request import Req
+from asyncinfer.scheduler.request import Req, RowState
+from asyncinfer.scheduler.table import RowTable
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class Scheduler:
                                   config.cache_type)
         self.waiting: list[Req] = []            # arrival order, preempted requests first
         self.running: dict[int, Req] = {}       # uid -> request, decoding
-        self.free_rows = list(range(engine.max_rows))
+        self.table = RowTable(engine.max_rows)
         self.round = 0
         self.decode_streak = 0
         self.tokens_computed = 0
@@ -146,7 +148,8 @@ class Scheduler:
             del self.running[uid]
         # A copy holds the row and pages until they are released; the request starts afresh.
         self._release(evolve(req), keep=False)
-        req.row, req.pages, req.shared_pages, req.prefix_node = -1, [], 0, None
+        req.drop_row()
+        req.pages, req.shared_pages, req.prefix_handle = [], 0, None
         req.cached_len = req.device_len = 0
         req.preemptions += 1
         self.waiting.insert(0, req)
@@ -205,7 +208,7 @@ class Scheduler:
             running=tuple(RunningRequest(r.uid, r.seq_len, r.remaining_tokens)
                           for r in self._running_in_uid_order()),
             free_pages=max(0, self.cache.available_pages - reserved),
-            free_slots=len(self.free_rows),
+            free_slots=self.table.num_free,
             token_budget=self.config.max_extend_tokens,
             page_size=self.engine.page_size,
             round=self.round,
@@ -258,21 +261,22 @@ class Scheduler:
         return self._build_prefill(adder) if adder.try_add(req) else None
 
     def _prefill_adder(self) -> PrefillAdder:
-        return PrefillAdder(self.cache, self.config.max_extend_tokens, len(self.free_rows),
+        return PrefillAdder(self.cache, self.config.max_extend_tokens, self.table.num_free,
                             self._reserved_pages(), self.config.chunked_prefill)
 
     def _build_prefill(self, adder: PrefillAdder) -> ScheduledBatch:
         for req, end in adder.admitted:
-            if req.row == -2:
-                req.row = self.free_rows.pop(0)
-                self.engine.write_prompt(req.row, req.token_ids())
+            if req.row_state is RowState.CLAIMED:  # newly admitted: rows go in batch order
+                row = self.table.allocate()
+                req.take_row(row)
+                self.engine.write_prompt(row, req.token_ids())
                 self.cache.admit(req)
             self.cache.allocate(req, end)
         reqs = [req for req, _ in adder.admitted]
         ends = [end for _, end in adder.admitted]
         # A prefill covers the whole sequence so far (a preempted request's outputs too): it
         # samples its request's next token, step len(output_ids).
-        batch = Batch(rows=[r.row for r in reqs], starts=[r.cached_len for r in reqs],
+        batch = Batch(rows=_rows(reqs), starts=[r.cached_len for r in reqs],
                       ends=ends, params=[r.params for r in reqs],
                       steps=[len(r.output_ids) for r in reqs],
                       sample=[e == r.seq_len for r, e in zip(reqs, ends)])
@@ -295,7 +299,7 @@ class Scheduler:
         for req in reqs:
             if req.device_len > len(req.pages) * size:  # crosses into a new page
                 self.cache.allocate(req, req.device_len)
-        batch = Batch(rows=[r.row for r in reqs], starts=[r.device_len - 1 for r in reqs],
+        batch = Batch(rows=_rows(reqs), starts=[r.device_len - 1 for r in reqs],
                       ends=[r.device_len for r in reqs], params=[r.params for r in reqs],
                       steps=[r.device_len - r.prompt_len for r in reqs])
         for req in reqs:
@@ -399,9 +403,7 @@ class Scheduler:
             self._deferred.append((self._launched, req, keep))
             return
         self.cache.release(req, keep)
-        self.free_rows.append(req.row)
-        self.free_rows.sort()
-        req.row = -1
+        self.table.release(req.drop_row())
 
     def _release_deferred(self) -> None:
         waiting = []
@@ -410,9 +412,7 @@ class Scheduler:
                 waiting.append((batch_seq, req, keep))
                 continue
             self.cache.release(req, keep)
-            self.free_rows.append(req.row)
-            req.row = -1
-        self.free_rows.sort()
+            self.table.release(req.drop_row())
         self._deferred = waiting
 
     def abort_all(self) -> None:
@@ -428,15 +428,33 @@ class Scheduler:
         if self.in_flight == 0:
             self._release_deferred()
 
+    @property
+    def free_rows(self) -> list[int]:
+        """Table rows no request holds, lowest first."""
+        return self.table.free_rows
+
     def check_invariants(self) -> None:
-        """Every page is free, cached or owned by exactly one active request; rows likewise."""
+        """Every page is free, cached or owned by exactly one active request; rows likewise.
+        Outside ``schedule`` no request is left with a claimed row, a request holds a row
+        exactly when its row state says so, and a prefix-cache lock exactly when it shares
+        pages."""
         active = list(self.running.values()) + [r for r in self.waiting if r.admitted]
         active += [req for _, req, _ in self._deferred]
         owned = sum(len(r.pages) - r.shared_pages for r in active)
         free, cached = self.cache.allocator.num_free, self.cache.cached_pages
         assert free + cached + owned == self.engine.num_pages, (free, cached, owned)
-        rows = sorted([r.row for r in active] + self.free_rows)
+        for req in [*self.waiting, *self.running.values(), *active]:
+            assert req.row_state is not RowState.CLAIMED, req.uid
+            assert (req.row is not None) == (req.row_state is RowState.HELD), req.uid
+            assert (req.prefix_handle is not None) == (req.shared_pages > 0), req.uid
+        rows = sorted(_rows(active) + self.table.free_rows)
         assert rows == list(range(self.engine.max_rows)), rows
         assert self._reserved_pages() <= self.cache.available_pages
         suspects = {r.uid for r in [*self.waiting, *self.running.values()] if r.suspect}
         assert suspects == self._suspects, (suspects, self._suspects)
+
+
+def _rows(reqs: list[Req]) -> list[int]:
+    """The rows of requests that hold one (those of a batch being built, say)."""
+    # Per request per round: the row states are checked where they change, not here.
+    return cast("list[int]", [r.row for r in reqs])
