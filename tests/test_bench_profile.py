@@ -36,8 +36,9 @@ def test_kernel_class(name: str, cls: str) -> None:
 
 
 def test_host_stalls_lists_slowest_rounds_and_collections() -> None:
-    from asyncinfer.coordinator import Round
     from benchmarks.gpu_offline import host_stalls
+
+    from asyncinfer.coordinator import Round
 
     rounds = [Round(10.0, 0.001, 0.002, "decode", 8), Round(10.5, 0.030, 0.0, "prefill", 3),
               Round(11.0, 0.002, 0.001, "decode", 3)]
