@@ -25,7 +25,7 @@ def run_trace(verbose: bool = True) -> tuple[list[tuple[str, int, int]], list[bo
     """(phase, batch size, tokens) per round, and whether each output equals transformers'."""
     llm = LLM(None, dtype="float32", cache_type="naive", max_running_requests=8)
     rounds: list[tuple[str, int, int]] = []
-    forward = llm.runner.forward
+    launch = llm.runner.launch
 
     def traced(batch: Batch) -> Any:
         rounds.append((batch.phase, batch.size, batch.num_tokens))
@@ -33,9 +33,9 @@ def run_trace(verbose: bool = True) -> tuple[list[tuple[str, int, int]], list[bo
             spans = ", ".join(f"row{r}:{e - s}" for r, s, e in
                               zip(batch.rows, batch.starts, batch.ends))
             print(f"  {batch.phase:<7} bs={batch.size}  tokens={batch.num_tokens:<3} [{spans}]")
-        return forward(batch)
+        return launch(batch)
 
-    llm.runner.forward = traced  # type: ignore[method-assign]
+    llm.runner.launch = traced  # type: ignore[method-assign]
     if verbose:
         print("scheduling trace:")
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
