@@ -81,11 +81,6 @@ class Req:
         return self.row is not None
 
     @property
-    def prefilled(self) -> bool:
-        """Its whole prompt has KV; it decodes from now on."""
-        return self.cached_len >= self.prompt_len
-
-    @property
     def remaining_tokens(self) -> int:
         """Output tokens it may still produce."""
         return self.max_tokens - len(self.output_ids)

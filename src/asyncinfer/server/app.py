@@ -206,7 +206,7 @@ class _Routes:
         context = engine.context_len
         self.limits = protocol.Limits(
             vocab_size=engine.tokenizer.vocab_size, context_len=context,
-            max_prompt_chars=context * max(1, engine.tokenizer.max_token_chars),
+            max_prompt_chars=protocol.max_prompt_chars(context, engine.tokenizer.max_token_chars),
             max_tokens_limit=min(options.max_tokens_limit or context, context),
             default_max_tokens=options.default_max_tokens)
 
@@ -224,9 +224,8 @@ class _Routes:
                 self.metrics.record_outcome(call.outcome or "cancelled")
                 raise
             except Exception as exc:
-                # "error" is the engine failing or refusing the request; else the status tells.
-                failed = call.outcome == "error"
-                self.metrics.record_outcome("error" if failed else _outcome(http_status(exc)))
+                # How the engine ended the request, if it did; else what the status says.
+                self.metrics.record_outcome(call.outcome or _outcome(http_status(exc)))
                 raise
             finally:
                 self.state.leave()
@@ -251,9 +250,13 @@ class _Routes:
         self.state.admitting += 1
         try:
             body = await _json_body(call.request, self.options.body_timeout)
-            return await parse(body, self.encoder, self.limits)
+            gen = await parse(body, self.encoder, self.limits)
         finally:
             self.state.admitting -= 1
+        if self.state.draining:  # the drain began while the body arrived or was tokenized
+            raise APIError(503, "the server is shutting down", code="server_shutting_down",
+                           headers={"Retry-After": str(self.options.retry_after)})
+        return gen
 
     async def completions(self, call: _Call) -> web.StreamResponse:
         gen = await self._parse(call, self._openai_parser(openai.completion))
@@ -420,28 +423,40 @@ async def _json_body(request: web.Request, timeout: float) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got "
                           f"{type(body).__name__}")
-    _check_unicode(body, "")
+    _check_unicode(body)
     return body
 
 
-def _check_unicode(value: Any, where: str) -> None:
+def _check_unicode(body: dict[str, Any]) -> None:
     """Refuse strings that cannot be encoded (lone UTF-16 surrogates, which JSON's ``\\ud800``
-    escapes can spell), naming the first field that holds one."""
+    escapes can spell), naming the first field that holds one. The field's path is built only
+    for the refusal: a deep body costs one pass over it, nothing more."""
+    where = _bad_text(body)
+    if where is not None:
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in where).lstrip(".")
+        raise bad_request(f"{param or 'the body'} is not valid Unicode (it holds a lone "
+                          "surrogate)", param or None)
+
+
+def _bad_text(value: Any) -> list[str | int] | None:
+    """The path to the first string in ``value`` that cannot be encoded, or None."""
     if isinstance(value, str):
-        if not value.isascii():
-            try:
-                value.encode()
-            except UnicodeEncodeError:
-                raise bad_request(f"{where or 'the body'} is not valid Unicode (it holds a lone "
-                                  "surrogate)", where or None) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            path = f"{where}.{key}" if where else str(key)
-            _check_unicode(key, path)
-            _check_unicode(item, path)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_unicode(item, f"{where}[{i}]")
+        if value.isascii():
+            return None
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return []
+        return None
+    items = value.items() if isinstance(value, dict) else (
+        enumerate(value) if isinstance(value, list) else ())
+    for key, item in items:
+        if isinstance(key, str) and _bad_text(key) is not None:
+            return [key]
+        inner = _bad_text(item)
+        if inner is not None:
+            return [key, *inner]
+    return None
 
 
 async def _close(deltas: AsyncIterator[Any]) -> None:

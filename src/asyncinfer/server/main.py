@@ -61,9 +61,9 @@ def app_runner(app: web.Application, header_timeout: float) -> web.AppRunner:
     request is aborted at once), and a connection that sends no complete request head within
     ``header_timeout`` seconds, or idles that long between requests, is closed. After an
     error answered before its body was read (408, 413), the connection lingers at most 2 s
-    for the rest of the body."""
+    for the rest of the body. At exit, after the drain, handlers get 5 s more."""
     return web.AppRunner(app, handler_cancellation=True, keepalive_timeout=header_timeout,
-                         lingering_time=2.0)
+                         lingering_time=2.0, shutdown_timeout=5.0)
 
 
 async def _serve(engine: Any, args: argparse.Namespace) -> None:
@@ -74,8 +74,12 @@ async def _serve(engine: Any, args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await engine.start()
-    app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
-                     options=server_options(args))
+    try:
+        app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
+                         options=server_options(args))
+    except BaseException:
+        await engine.close()
+        raise
     runner = app_runner(app, args.header_timeout)
     try:
         await runner.setup()
