@@ -149,8 +149,4 @@ class CacheManager:
         size = self.page_size
         slots = (np.asarray(pages, np.int64)[:, None] * size + np.arange(size)).ravel()
         start = first_page * size
-        if self.page_table.device.type == "cpu":
-            self.page_table.numpy()[row, start : start + slots.size] = slots
-        else:
-            self.page_table[row, start : start + slots.size] = torch.from_numpy(slots).to(
-                self.page_table.device)
+        self.page_table.numpy()[row, start : start + slots.size] = slots  # a host tensor

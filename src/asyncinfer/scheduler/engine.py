@@ -13,7 +13,7 @@ from asyncinfer.core import Batch, ForwardOutput
 class Engine(Protocol):
     """A model runner as seen by the scheduler; tests drive the scheduler with a fake one."""
 
-    page_table: torch.Tensor   # [rows, width]: KV slot of each position
+    page_table: torch.Tensor   # [rows, width]: KV slot of each position, on the host
     token_pool: torch.Tensor   # [rows, width]: token id of each position
     num_pages: int
     page_size: int
