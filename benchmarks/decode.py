@@ -8,7 +8,6 @@ median over ``--repeats`` runs after one warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform
 import random
@@ -16,12 +15,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.util import git_commit
+from benchmarks.util import git_commit, write_report
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -91,9 +89,7 @@ def main(args: argparse.Namespace) -> int:
     options = engine_options(args)
     result = run(options.pop("model", None), [int(b) for b in args.batch_sizes.split(",")],
                  args.prompt_len, args.new_tokens, args.repeats, **options)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_report(args.json, result)
     return 0
 
 

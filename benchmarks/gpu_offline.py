@@ -206,7 +206,7 @@ def main(args: Any) -> int:
     from asyncinfer.options import engine_options
     from asyncinfer.params import SamplingParams
     from benchmarks.kernel_profile import profile_decode_step
-    from benchmarks.util import git_commit
+    from benchmarks.util import git_commit, write_report
     from benchmarks.workloads import gpu_offline
 
     prompts, max_tokens = gpu_offline()
@@ -301,7 +301,5 @@ def main(args: Any) -> int:
         print(f"{peer['engine']}: {peer['tokens']} tokens in {peer['seconds']:.1f} s = "
               f"{peer['tokens_per_s']:,.0f} tok/s; asyncinfer is "
               f"{ours['tokens_per_s'] / peer['tokens_per_s']:.1f}x")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.json, report)
     return 0

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.util import git_commit
+from benchmarks.util import git_commit, write_report
 from benchmarks.workloads import cpu_offline
 
 
@@ -112,9 +112,7 @@ def main(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r['engine']:<45} {r['tokens']:>7} tok  {r['seconds']:>8.1f} s  "
               f"{r['tokens_per_s']:>8.1f} tok/s  (asyncinfer: {ours / r['tokens_per_s']:.2f}x)")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.json, report)
     return 0
 
 

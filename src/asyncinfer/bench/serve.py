@@ -500,24 +500,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _rate(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected requests/s > 0 or 'inf', got {text}")
-    return value
+def _above_zero(what: str) -> Callable[[str], float]:
+    """An argparse type: a number > 0 (``inf`` included), ``what`` naming it in the error."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected {what} > 0, got {text}")
+        return value
+
+    return parse
+
+
+_rate = _above_zero("requests/s (or 'inf')")
+_seconds = _above_zero("seconds")
 
 
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"expected a fraction with 0 <= F < 1, got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
     return value
 
 
