@@ -11,15 +11,23 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from attrs import field, frozen
-
 from asyncinfer.config import EngineConfig
 from asyncinfer.coordinator import Coordinator, RoundObserver
-from asyncinfer.core import ErrorKind, FinishReason
 from asyncinfer.engine import create_runner
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.models.source import resolve_model
+from asyncinfer.outputs import (
+    Channel,
+    Collector,
+    EngineStats,
+    Prompt,
+    RequestMetrics,
+    RequestOutput,
+    StreamDelta,
+    collected_output,
+    stream_deltas,
+)
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import Policy
 from asyncinfer.policies.registry import load_policy
@@ -28,70 +36,6 @@ from asyncinfer.tokenizer import Tokenizer
 
 __all__ = ["LLM", "AsyncEngine", "EngineStats", "RequestMetrics", "RequestOutput",
            "SamplingParams", "StreamDelta"]
-
-Prompt = str | Sequence[int]
-
-
-@frozen
-class RequestMetrics:
-    """Wall-clock times of one request (seconds, ``time.perf_counter``)."""
-
-    arrival_time: float
-    first_token_time: float | None
-    finish_time: float
-
-
-@frozen
-class RequestOutput:
-    """The result of one request.
-
-    With ``finish_reason == "error"``, ``error`` says what happened and ``error_kind`` whose
-    fault it is: "invalid", a request that can never run (its prompt does not fit the
-    context, ...); "engine", a request the engine failed (its batch failed with it alone, or
-    the engine shut down).
-    """
-
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason
-    error: str | None = None
-    cached_tokens: int = 0          # prompt tokens found in the prefix cache
-    metrics: RequestMetrics | None = None
-    error_kind: ErrorKind | None = None
-
-
-@frozen
-class StreamDelta:
-    """What one request produced since the last delta; the last one carries the output."""
-
-    text: str
-    token_ids: list[int] = field(factory=list)
-    finish_reason: FinishReason | None = None
-    output: RequestOutput | None = None
-
-
-@frozen
-class EngineStats:
-    """A snapshot for metrics and tests.
-
-    The prefix-cache counts run from the start: one query per admitted request, a hit when
-    it found at least one token cached, and the prompt tokens queried and found (all 0
-    without a prefix cache).
-    """
-
-    waiting: int
-    running: int
-    kv_pages_used: int
-    kv_pages_total: int
-    batches_prefill: int
-    batches_decode: int
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_query_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
 
 
 class AsyncEngine:
@@ -186,72 +130,43 @@ class AsyncEngine:
         ids = self.encode(prompt)
         uid = next(self._uids)
         arrival = time.perf_counter()
-        collector = coordinator.add_collected(uid, ids, params)
+        collector = Collector()
+        coordinator.add(uid, ids, params, collector)
         try:
             last = await collector.done
         except asyncio.CancelledError:
             coordinator.abort(uid)
             raise
-        assert last.finish_reason is not None
-        text = ""
-        if self.tokenizer is not None:
-            detok = self.tokenizer.detokenizer(params, ids)
-            detok.push(collector.tokens)
-            detok.finish()
-            text = detok.text
-        return RequestOutput(
-            uid, prompt if isinstance(prompt, str) else None, ids, text, collector.tokens,
-            last.finish_reason, last.error, last.prefix_len,
-            RequestMetrics(arrival, collector.first_token_time, time.perf_counter()),
-            last.error_kind)
+        return collected_output(uid, prompt, ids, params, self.tokenizer, collector, last,
+                                arrival)
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None
-                     ) -> AsyncIterator[StreamDelta]:
-        """Text deltas of one request as they are produced; the last carries the output."""
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None
+               ) -> AsyncIterator[StreamDelta]:
+        """Text deltas of one request as they are produced; the last carries the output.
+        A reader that falls behind gets what came meanwhile in one delta."""
         if self._coordinator is None:
             raise RuntimeError("the engine is not started: use `async with AsyncEngine(...)`")
         coordinator = self._coordinator
         params = params or SamplingParams()
         ids = self.encode(prompt)
         uid = next(self._uids)
-        arrival, first_token = time.perf_counter(), None
-        detok = self.tokenizer.detokenizer(params, ids) if self.tokenizer is not None else None
-        tokens: list[int] = []
-        channel = coordinator.add(uid, ids, params)
-        done = False
-        try:
-            while not done:
-                event = await channel.get()
-                reason = event.finish_reason
-                new: list[int] = []
-                text = ""
-                if event.token is not None:
-                    new = [event.token]
-                    tokens.append(event.token)
-                    first_token = first_token or time.perf_counter()
-                    if detok is not None:
-                        text = detok.push(new)
-                        if detok.stopped and reason is None:  # a stop string matched
-                            coordinator.abort(uid)
-                            reason = "stop"
-                if reason is None:
-                    if text or new:
-                        yield StreamDelta(text, new)
-                    continue
-                done = True
-                full = ""
-                if detok is not None:
-                    text += detok.finish()
-                    full = detok.text
-                    reason = "stop" if detok.stopped else reason
-                output = RequestOutput(
-                    uid, prompt if isinstance(prompt, str) else None, ids, full, tokens, reason,
-                    event.error, event.prefix_len,
-                    RequestMetrics(arrival, first_token, time.perf_counter()), event.error_kind)
-                yield StreamDelta(text, new, reason, output)
-        finally:
-            if not done:  # cancelled, or the consumer stopped listening
-                coordinator.abort(uid)
+        return stream_deltas(uid, prompt, ids, params, self.tokenizer,
+                             lambda channel: coordinator.add(uid, ids, params, channel),
+                             lambda: coordinator.abort(uid))
+
+    def submit(self, uid: int, prompt_ids: list[int], params: SamplingParams,
+               channel: Channel) -> None:
+        """Queue a request under a caller-chosen ``uid`` (unique among those open); its
+        events go to ``channel``. The entry of fronts that detokenize themselves, such as
+        the HTTP front of an engine core in another process."""
+        if self._coordinator is None:
+            raise RuntimeError("the engine is not started: use `async with AsyncEngine(...)`")
+        self._coordinator.add(uid, prompt_ids, params, channel)
+
+    def abort(self, uid: int) -> None:
+        """Stop a submitted request and free what it holds; it gets no more events."""
+        if self._coordinator is not None:
+            self._coordinator.abort(uid)
 
     def abort_all(self) -> None:
         """End every request waiting or running with finish_reason "abort", delivered to its

@@ -28,6 +28,7 @@ from typing import Any
 from attrs import define, frozen
 
 from asyncinfer.core import Batch, Event, ForwardOutput
+from asyncinfer.outputs import Channel
 from asyncinfer.params import SamplingParams
 from asyncinfer.scheduler.scheduler import ScheduledBatch, Scheduler
 
@@ -69,24 +70,6 @@ class _Launched:
     future: asyncio.Future[ForwardOutput]
 
 
-class Collector:
-    """A channel read once, at the end: it gathers a request's tokens as they come and wakes
-    its reader only when the request finishes (per-token wake-ups of hundreds of readers are
-    what limits a large batch otherwise)."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.first_token_time: float | None = None
-        self.done: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
-
-    def put_nowait(self, event: Event) -> None:
-        if event.token is not None:
-            self.tokens.append(event.token)
-            self.first_token_time = self.first_token_time or time.perf_counter()
-        if event.finished and not self.done.done():
-            self.done.set_result(event)
-
-
 class Coordinator:
     """Owns the scheduler's loop; frontends talk to it only through ``add`` and ``abort``."""
 
@@ -99,7 +82,7 @@ class Coordinator:
         self.overlap = overlap
         self.batches = {"prefill": 0, "decode": 0}
         self._commands: asyncio.Queue[_Add | _Abort | None] = asyncio.Queue()
-        self._channels: dict[int, asyncio.Queue[Event] | Collector] = {}
+        self._channels: dict[int, Channel] = {}
         self._queued_adds = 0                   # requests added but not yet applied
         self._waited = 0.0                      # seconds awaiting the device, all rounds
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-wait")
@@ -109,22 +92,10 @@ class Coordinator:
 
     # ---- frontend side ---------------------------------------------------------------------
 
-    def add(self, uid: int, prompt_ids: list[int], params: SamplingParams
-            ) -> asyncio.Queue[Event]:
-        """Queue a request; its events arrive on the returned channel, the last one finished."""
-        channel: asyncio.Queue[Event] = asyncio.Queue()
-        self._submit(uid, prompt_ids, params, channel)
-        return channel
-
-    def add_collected(self, uid: int, prompt_ids: list[int], params: SamplingParams
-                      ) -> Collector:
-        """Queue a request whose reader wants only the end: see :class:`Collector`."""
-        collector = Collector()
-        self._submit(uid, prompt_ids, params, collector)
-        return collector
-
-    def _submit(self, uid: int, prompt_ids: list[int], params: SamplingParams,
-                channel: asyncio.Queue[Event] | Collector) -> None:
+    def add(self, uid: int, prompt_ids: list[int], params: SamplingParams,
+            channel: Channel) -> None:
+        """Queue a request; its events go to ``channel`` in order, the last one finished.
+        ``uid`` must not be in use."""
         if self._task is not None and self._task.done():  # the loop died: nobody would answer
             channel.put_nowait(Event(uid, None, "error", "the engine is not running",
                                      error_kind="engine"))
