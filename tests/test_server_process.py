@@ -4,6 +4,7 @@ openai client: text and chat completions, streamed and not, equal LLM.generate's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -162,6 +163,109 @@ async def test_sigterm_drains_then_ends_what_is_left_and_exits_0(served_model: P
             assert resp.status == 503
             assert (await resp.json())["error"]["code"] == "server_shutting_down"
         assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    return children + [d for c in children for d in descendants(c)]
+
+
+def spawned(pid: int) -> list[int]:
+    """The server's own processes below ``pid`` (multiprocessing's resource tracker aside)."""
+    def cmdline(child: int) -> bytes:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
+    return [c for c in descendants(pid) if b"spawn_main" in cmdline(c)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def test_two_api_workers_serve_and_stop_together(served_model: Path,
+                                                       expected: dict[str, str]) -> None:
+    """Two front processes on one port and the engine core: every answer right, and SIGTERM
+    stops all three processes, the server exiting 0."""
+    import aiohttp
+
+    proc, url = start_server(served_model, "--api-workers", "2")
+    try:
+        children = descendants(proc.pid)
+        assert len(spawned(proc.pid)) == 2, "the engine core and the second front"
+        body = {"model": NAME, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        async with aiohttp.ClientSession() as session:
+            async def one(prompt: str) -> str:
+                # A fresh connection each: the kernel hands them to either front.
+                async with session.post(f"{url}/v1/completions", json={**body,
+                                        "prompt": prompt}, headers={"Connection": "close"}
+                                        ) as response:
+                    assert response.status == 200
+                    return str((await response.json())["choices"][0]["text"])
+
+            texts = await asyncio.gather(*(one(p) for p in PROMPTS * 4))
+        assert texts == [expected[p] for p in PROMPTS * 4]
+        proc.terminate()
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 60) == 0
+        assert not [c for c in children if alive(c)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def test_a_killed_engine_core_gets_503s_within_a_second_and_no_process_left(
+        served_model: Path) -> None:
+    """kill -9 of the core under load: the streams in flight end with a 503 error frame, the
+    whole requests and new ones get 503 within a second, and the server exits non-zero
+    without leaving a process behind."""
+    import signal
+
+    import aiohttp
+
+    proc, url = start_server(served_model)
+    long = {"prompt": "Count: 1, 2,", "max_tokens": 2000, "ignore_eos": True}
+    try:
+        (core,) = spawned(proc.pid)
+        children = descendants(proc.pid)
+        async with aiohttp.ClientSession() as session:
+            wholes = [asyncio.ensure_future(session.post(f"{url}/v1/completions", json=long))
+                      for _ in range(2)]
+            stream = await session.post(f"{url}/v1/completions", json={**long, "stream": True})
+            assert stream.status == 200
+            await stream.content.readline()
+            os.kill(core, signal.SIGKILL)
+            start = time.monotonic()
+            for whole in wholes:
+                response = await whole
+                assert response.status == 503
+                assert (await response.json())["error"]["code"] == "engine_unavailable"
+            events = [e for e in (await stream.text()).split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][len("data: "):])["error"]["code"] == (
+                "engine_unavailable")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.post(f"{url}/v1/completions", json=long) as late:
+                    assert late.status == 503
+            assert time.monotonic() - start < 1.0
+        code = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
+        assert code != 0
+        assert "engine core" in (proc.stderr.read() if proc.stderr else "")
+        assert not [c for c in children if alive(c)]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 FinishReason = Literal["stop", "length", "abort", "error"]
 # Why a request ended in "error": "invalid", it can never run (a prompt longer than the
 # context, ...), the client's to fix; "engine", the engine failed it (a batch that failed
-# with it alone, a shutdown), the server's.
-ErrorKind = Literal["invalid", "engine"]
+# with it alone, a shutdown), the server's; "unavailable", the engine went away (its process
+# died): another server may take the request.
+ErrorKind = Literal["invalid", "engine", "unavailable"]
 
 
 @define

@@ -239,6 +239,9 @@ class _Routes:
         if self.state.draining:
             raise APIError(503, "the server is shutting down", code="server_shutting_down",
                            headers=retry)
+        if not self.engine.alive:
+            raise APIError(503, "the engine is not running", code="engine_unavailable",
+                           headers=retry)
         waiting = self.engine.stats().waiting + self.state.admitting
         if waiting >= self.options.max_waiting_requests:
             raise APIError(503, f"the server is full: {waiting} requests are waiting (the "
@@ -318,14 +321,17 @@ class _Routes:
     def _failure(self, output: RequestOutput) -> APIError | None:
         """The error a finished request is answered with, if it did not succeed: the engine
         refusing it is the client's (400), the engine failing it is ours (500), and a request
-        ended by the shutdown is 503."""
+        ended by the shutdown, or by the engine going away, is 503."""
         if output.finish_reason == "abort" and self.state.draining:
             return APIError(503, "the server shut down before the request finished",
                             code="server_shutting_down")
         if output.finish_reason != "error":
             return None
         message = output.error or "the engine failed the request"
-        if getattr(output, "error_kind", None) == "engine":
+        kind = getattr(output, "error_kind", None)
+        if kind == "unavailable":
+            return APIError(503, message, code="engine_unavailable")
+        if kind == "engine":
             return APIError(500, message, code="engine_error")
         return bad_request(message)
 

@@ -32,6 +32,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("ASYNCINFER_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1/* and /generate "
                             "(default: $ASYNCINFER_API_KEY; unset: no key needed)")
+    serve.add_argument("--api-workers", type=int, default=1,
+                       help="HTTP front processes (parsing, tokenizing, detokenizing, "
+                            "streaming), all on --port, beside the one engine core process")
     limits = serve.add_argument_group("limits and timeouts")
     limits.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="requests that may wait for the engine; past it a generation "

@@ -1,35 +1,52 @@
-"""``asyncinfer serve``: build the engine from the command line and run the app on it.
+"""``asyncinfer serve``: the engine core in one process, the HTTP front in ``--api-workers``.
 
-SIGTERM or SIGINT drains the server (see :func:`asyncinfer.server.app.drain`): it stops
-admitting, lets requests in flight finish for ``--shutdown-timeout`` seconds, ends the rest,
-then closes the engine and exits 0.
+The server process binds the listening socket first (a port in use fails at once), starts
+the engine core (:mod:`asyncinfer.ipc.core`, which loads the model) and waits until it is
+ready, then starts fronts 1 .. N-1 as processes of their own and runs front 0 itself. Every
+front accepts on the same socket, tokenizes, detokenizes and streams, and talks to the core
+through an :class:`~asyncinfer.ipc.client.EngineClient`.
+
+Stopping: SIGTERM or SIGINT drains every front (see :func:`asyncinfer.server.app.drain`: it
+stops admitting, lets requests in flight finish for ``--shutdown-timeout`` seconds, ends the
+rest), then stops the core, and exits 0. If the core dies, every front answers 503 to what
+is open and what comes, and exits non-zero; if a front dies, the server stops. A process
+whose server process is gone stops too, so none is left behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
 import signal
+import socket
+import tempfile
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from asyncinfer.errors import ConfigError, EngineError
+from asyncinfer.ipc.messages import Addresses, CoreInfo
+from asyncinfer.ipc.process import describe_exit, new_event_loop, watch_exit
 from asyncinfer.options import engine_options
 
 if TYPE_CHECKING:
+    from multiprocessing.context import SpawnProcess
+
     from asyncinfer.server.app import ServerOptions
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["app_runner", "new_event_loop", "serve", "server_options"]
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A uvloop loop when uvloop is installed, else asyncio's default."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+CORE_START_TIMEOUT = 1800.0   # loading and capturing a large model takes a while
+CORE_STOP_TIMEOUT = 30.0
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -43,19 +60,6 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          special_tokens_in_text=args.special_tokens_in_text)
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Load the model, then serve it on ``args.host:args.port`` until SIGTERM or SIGINT."""
-    from asyncinfer.api import AsyncEngine
-
-    engine = AsyncEngine(**engine_options(args))
-    loop = new_event_loop()
-    try:
-        loop.run_until_complete(_serve(engine, args))
-    finally:
-        loop.close()
-    return 0
-
-
 def app_runner(app: web.Application, header_timeout: float) -> web.AppRunner:
     """The runner ``serve`` uses: a client that disconnects has its handler cancelled (so its
     request is aborted at once), and a connection that sends no complete request head within
@@ -66,33 +70,207 @@ def app_runner(app: web.Application, header_timeout: float) -> web.AppRunner:
                          lingering_time=2.0, shutdown_timeout=5.0)
 
 
-async def _serve(engine: Any, args: argparse.Namespace) -> None:
-    from asyncinfer.server.app import create_app, drain
+def serve(args: argparse.Namespace) -> int:
+    """Serve the model on ``args.host:args.port`` until SIGTERM or SIGINT (then 0), or until
+    a process of the server dies (then 1)."""
+    workers = args.api_workers
+    if workers < 1:
+        raise ConfigError(f"--api-workers must be at least 1, got {workers}")
+    listener = listen(args.host, args.port)
+    directory = tempfile.mkdtemp(prefix="asyncinfer-")
+    addresses = Addresses(directory)
+    spawn = multiprocessing.get_context("spawn")
+    core: SpawnProcess | None = None
+    fronts: list[SpawnProcess] = []
+    try:
+        core, info = _start_core(spawn, engine_options(args), addresses, workers)
+        for index in range(1, workers):
+            front = spawn.Process(target=_front_process, name=f"asyncinfer-front-{index}",
+                                  args=(args, info, addresses, index, workers, listener,
+                                        logging.getLogger().level))
+            front.start()
+            fronts.append(front)
+        loop = new_event_loop()
+        try:
+            return loop.run_until_complete(_front(
+                args, info, addresses, 0, workers, listener, children=fronts, core=core))
+        finally:
+            loop.close()
+    finally:
+        listener.close()
+        for front in fronts:
+            _reap(front, args.shutdown_timeout + 15)
+        if core is not None:
+            _reap(core, CORE_STOP_TIMEOUT)
+        shutil.rmtree(directory, ignore_errors=True)
 
-    stop = asyncio.Event()
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` that every front accepts on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    # A burst of clients must not overflow the accept queue (aiohttp's default is 128).
+    sock.listen(4096)
+    sock.setblocking(False)
+    return sock
+
+
+def _start_core(spawn: Any, options: dict[str, Any], addresses: Addresses,
+                workers: int) -> tuple[SpawnProcess, CoreInfo]:
+    """Start the engine core and wait for its CoreInfo (or the error it failed with)."""
+    from asyncinfer.ipc.core import run_engine_core
+
+    receive, send = spawn.Pipe(duplex=False)
+    core = spawn.Process(target=run_engine_core, name="asyncinfer-core",
+                         args=(options, addresses, workers, send, logging.getLogger().level))
+    core.start()
+    send.close()
+    try:
+        ready = multiprocessing.connection.wait([receive, core.sentinel], CORE_START_TIMEOUT)
+        if receive not in ready:
+            core.join(1.0)
+            if not ready:
+                raise EngineError(f"the engine core did not start within "
+                                  f"{CORE_START_TIMEOUT:g} s")
+            raise EngineError(f"the engine core {describe_exit(core.exitcode)} while starting")
+        try:
+            answer = receive.recv()
+        except EOFError:
+            core.join(5.0)
+            raise EngineError(f"the engine core {describe_exit(core.exitcode)} while "
+                              "starting") from None
+    except BaseException:
+        _reap(core, 5.0)
+        raise
+    finally:
+        receive.close()
+    if isinstance(answer, str):
+        core.join(10.0)
+        raise ConfigError(answer)
+    return core, answer
+
+
+def _reap(process: Any, timeout: float) -> None:
+    """Wait for a child to exit; terminate, then kill, one that does not."""
+    process.join(timeout)
+    if process.is_alive():
+        logger.warning("%s (pid %d) did not stop; terminating it", process.name, process.pid)
+        process.terminate()
+        process.join(5.0)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def _front_process(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
+                   index: int, workers: int, listener: socket.socket, log_level: int) -> None:
+    """The entry of fronts 1 .. N-1."""
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(levelname)s [front {index}] %(name)s: "
+                               "%(message)s")
+    loop = new_event_loop()
+    try:
+        code = loop.run_until_complete(_front(args, info, addresses, index, workers, listener,
+                                              parent=os.getppid()))
+    finally:
+        loop.close()
+    raise SystemExit(code)
+
+
+async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses, index: int,
+                 workers: int, listener: socket.socket, *, parent: int | None = None,
+                 children: list[SpawnProcess] | None = None,
+                 core: SpawnProcess | None = None) -> int:
+    """Serve HTTP on ``listener`` for the core until stopped; the exit code."""
+    from asyncinfer.ipc.client import EngineClient
+    from asyncinfer.server.app import create_app, drain
+    from asyncinfer.tokenizer import Tokenizer
+
     loop = asyncio.get_running_loop()
+    tokenizer = await loop.run_in_executor(None, Tokenizer.from_pretrained, info.model_dir)
+    client = EngineClient(info, addresses, index, workers, tokenizer)
+    stop = asyncio.Event()
+    failure: list[str] = []
+
+    def fail(why: Callable[[], str]) -> Callable[[], None]:
+        def stop_failing() -> None:
+            if not failure:
+                failure.append(why())
+                logger.error("%s; stopping", failure[0])
+            stop.set()
+        return stop_failing
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await engine.start()
+    unwatch: list[Callable[[], None]] = []
+    await client.start()
+    client.on_core_exit(fail(lambda: f"the engine core (pid {info.pid}) "
+                                     f"{_exit_of(core)}"))
+    if parent is not None:
+        unwatch.append(watch_exit(parent, fail(lambda: f"the server process {parent} is gone")))
+    for child in children or []:
+        unwatch.append(watch_exit(_pid(child), _front_exit(child, stop, fail)))
+    runner: web.AppRunner | None = None
     try:
-        app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
-                         options=server_options(args))
-    except BaseException:
-        await engine.close()
-        raise
-    runner = app_runner(app, args.header_timeout)
-    try:
+        app = create_app(client, api_key=args.api_key,
+                         served_model_name=args.served_model_name, options=server_options(args))
+        runner = app_runner(app, args.header_timeout)
         await runner.setup()
-        # A burst of clients must not overflow the accept queue (aiohttp's default is 128).
-        site = web.TCPSite(runner, args.host, args.port, backlog=4096)
-        await site.start()
-        logger.info("serving %s on http://%s:%d", args.served_model_name or engine.model_name,
-                    args.host, args.port)
-        print(f"asyncinfer: serving on http://{args.host}:{args.port} (Ctrl-C to stop)",
-              flush=True)
+        await web.SockSite(runner, listener).start()
+        if index == 0:
+            logger.info("serving %s on http://%s:%d with %d front process(es)",
+                        args.served_model_name or info.model_name, args.host, args.port,
+                        workers)
+            print(f"asyncinfer: serving on http://{args.host}:{args.port} (Ctrl-C to stop)",
+                  flush=True)
         await stop.wait()
-        logger.info("shutting down: draining for up to %g s", args.shutdown_timeout)
-        await drain(app, args.shutdown_timeout)
+        for child in children or []:  # they drain at the same time as this one
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(_pid(child), signal.SIGTERM)
+        if failure:
+            # Open requests have their answer already (503); let it reach the clients.
+            await drain(app, 0.5, grace=0.5)
+        else:
+            logger.info("shutting down: draining for up to %g s", args.shutdown_timeout)
+            await drain(app, args.shutdown_timeout)
+            for child in children or []:
+                await loop.run_in_executor(None, child.join, args.shutdown_timeout + 15)
     finally:
-        await runner.cleanup()
-        await engine.close()
+        for stop_watching in unwatch:
+            stop_watching()
+        if runner is not None:
+            await runner.cleanup()
+        if core is not None:  # the server process: the core stops after every front
+            client.shutdown_core()
+        await client.close()
+    return 1 if failure else 0
+
+
+def _pid(process: SpawnProcess) -> int:
+    assert process.pid is not None, "not started"
+    return process.pid
+
+
+def _front_exit(child: SpawnProcess, stop: asyncio.Event,
+                fail: Callable[[Callable[[], str]], Callable[[], None]]) -> Callable[[], None]:
+    """What the server process does when front ``child`` exits: stop, unless it is
+    stopping already (then fronts exit by design)."""
+    def why() -> str:
+        return f"{child.name} (pid {child.pid}) {_exit_of(child)}"
+
+    died = fail(why)
+    return lambda: None if stop.is_set() else died()
+
+
+def _exit_of(process: SpawnProcess | None) -> str:
+    """How a process ended, in words ("exited" where this process is not its parent)."""
+    if process is None:
+        return "exited"
+    process.join(1.0)  # a child that has exited: reap it and read its code
+    return describe_exit(process.exitcode)

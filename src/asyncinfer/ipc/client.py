@@ -1,0 +1,237 @@
+"""The front's side: :class:`EngineClient`, the engine core in another process, as the
+``Engine`` the HTTP app serves.
+
+Tokenizing happens before a request reaches the client; detokenizing, stop strings and
+output assembly happen here, in the front's process (:mod:`asyncinfer.outputs`, the same
+code the in-process engine runs). One task reads the core's messages: each carries every
+new token of this front's requests for one round, appended to their channels, so a stream
+that falls behind finds its pending tokens gathered into one delta. Sending never waits.
+
+If the core's process exits, every open request ends at once with ``error_kind``
+"unavailable" (the server answers 503), new ones too, and the callbacks given to
+:meth:`EngineClient.on_core_exit` run (the server stops and exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+
+from asyncinfer.core import Event
+from asyncinfer.ipc import messages as msg
+from asyncinfer.ipc.process import watch_exit
+from asyncinfer.outputs import (
+    Channel,
+    Collector,
+    EngineStats,
+    Prompt,
+    RequestOutput,
+    StreamDelta,
+    collected_output,
+    stream_deltas,
+)
+from asyncinfer.params import SamplingParams
+from asyncinfer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineClient:
+    """Front ``front`` of ``fronts``, talking to the core described by ``info``.
+
+    Request ids are ``front + fronts * n``: unique across fronts without asking anyone.
+    Use ``async with`` (or :meth:`start` and :meth:`close`) on the front's event loop.
+    """
+
+    def __init__(self, info: msg.CoreInfo, addresses: msg.Addresses, front: int = 0,
+                 fronts: int = 1, tokenizer: Tokenizer | None = None) -> None:
+        self.info = info
+        self.model_name = info.model_name
+        self.context_len = info.context_len
+        self.tokenizer = tokenizer
+        self.front, self.fronts = front, fronts
+        self._addresses = addresses
+        self._uids = itertools.count(front, fronts)
+        self._channels: dict[int, Channel] = {}
+        self._stats = [0, 0, 0, info.kv_pages_total, 0, 0]
+        self._sent = 0                 # Adds sent
+        self._received = 0             # of which the core has taken
+        self._gone: str | None = None  # why the core can no longer answer
+        self._exit_callbacks: list[Callable[[], None]] = []
+        self._ctx: zmq.asyncio.Context | None = None
+        self._push: zmq.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._unwatch: Callable[[], None] | None = None
+
+    async def start(self) -> None:
+        """Connect to the core and start reading its messages."""
+        self._ctx = zmq.asyncio.Context()
+        # Sends go through a plain socket that never blocks (no high-water mark).
+        self._sync_ctx = zmq.Context()
+        self._push = self._sync_ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 1000)
+        self._push.connect(self._addresses.inbound)
+        pull = self._ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.RCVHWM, 0)
+        pull.connect(self._addresses.outbound(self.front))
+        self._task = asyncio.create_task(self._read(pull), name="asyncinfer-front-in")
+        self._unwatch = watch_exit(self.info.pid, self._core_exited)
+
+    async def close(self) -> None:
+        """Stop reading; requests still open end with "abort"."""
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        self._end_all("abort", None, None)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._push is not None:
+            self._push.close()
+            self._sync_ctx.term()
+            self._push = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def __aenter__(self) -> EngineClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- the Engine the app serves ---------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        """True while the core's process runs and this client is started."""
+        return self._task is not None and self._gone is None
+
+    def stats(self) -> EngineStats:
+        """The core's counters as of its last message; Adds it has not taken yet count as
+        waiting."""
+        stats = EngineStats(*self._stats)
+        in_transit = self._sent - self._received
+        return stats if not in_transit else EngineStats(
+            stats.waiting + in_transit, *self._stats[1:])
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None
+                       ) -> RequestOutput:
+        """Run one request to the end (``prompt``: token ids, or text with a tokenizer)."""
+        params = params or SamplingParams()
+        if params.stop:  # stop strings are watched as the text streams
+            output = None
+            async for delta in self.stream(prompt, params):
+                output = delta.output
+            assert output is not None
+            return output
+        ids = self._encode(prompt)
+        uid = next(self._uids)
+        arrival = time.perf_counter()
+        collector = Collector()
+        self._submit(uid, ids, params, collector)
+        try:
+            last = await collector.done
+        except asyncio.CancelledError:
+            self._abort(uid)
+            raise
+        return collected_output(uid, prompt, ids, params, self.tokenizer, collector, last,
+                                arrival)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None
+               ) -> AsyncIterator[StreamDelta]:
+        """Text deltas of one request; the last carries the output."""
+        params = params or SamplingParams()
+        ids = self._encode(prompt)
+        uid = next(self._uids)
+        return stream_deltas(uid, prompt, ids, params, self.tokenizer,
+                             lambda channel: self._submit(uid, ids, params, channel),
+                             lambda: self._abort(uid))
+
+    def abort_all(self) -> None:
+        """End every open request of this front now (finish_reason "abort") and have the
+        core free what they hold."""
+        self._end_all("abort", None, None)
+        self._send(msg.AbortAll(self.front))
+
+    def shutdown_core(self) -> None:
+        """Ask the core to end what is open and stop (the server does, after its fronts)."""
+        self._send(msg.Shutdown())
+
+    def on_core_exit(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the loop) once the core's process has exited."""
+        self._exit_callbacks.append(callback)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            from asyncinfer.errors import InvalidRequestError
+
+            raise InvalidRequestError("text prompts need a tokenizer")
+        return self.tokenizer.encode(prompt)
+
+    def _submit(self, uid: int, ids: list[int], params: SamplingParams,
+                channel: Channel) -> None:
+        if self._gone is not None or self._task is None:
+            channel.put_nowait(Event(uid, None, "error",
+                                     self._gone or "the engine client is not started",
+                                     error_kind="unavailable"))
+            return
+        self._channels[uid] = channel
+        self._sent += 1
+        self._send(msg.Add(self.front, uid, ids, msg.params_fields(params)))
+
+    def _abort(self, uid: int) -> None:
+        if self._channels.pop(uid, None) is not None:
+            self._send(msg.Abort([uid]))
+
+    def _send(self, message: msg.Inbound) -> None:
+        if self._push is None or self._gone is not None:
+            return
+        self._push.send(msg.encode(message), flags=zmq.NOBLOCK)
+
+    async def _read(self, pull: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                self._apply(msg.decode_out(await pull.recv()))
+        finally:
+            pull.close(linger=0)
+
+    def _apply(self, out: msg.Out) -> None:
+        self._stats, self._received = out.stats, out.received
+        channels = self._channels
+        for uid, token in zip(out.uids, out.tokens):
+            channel = channels.get(uid)
+            if channel is not None:
+                channel.put_nowait(Event(uid, token))
+        for end in out.ends:
+            channel = channels.pop(end.uid, None)
+            if channel is not None:
+                channel.put_nowait(end.event())
+
+    def _core_exited(self) -> None:
+        self._gone = f"the engine core (pid {self.info.pid}) has stopped"
+        logger.error("%s; ending %d open requests", self._gone, len(self._channels))
+        self._end_all("error", self._gone, "unavailable")
+        for callback in self._exit_callbacks:
+            callback()
+
+    def _end_all(self, reason: str, error: str | None, kind: str | None) -> None:
+        end = msg.End(0, reason, error, kind)
+        for uid in list(self._channels):
+            end.uid = uid
+            self._channels.pop(uid).put_nowait(end.event())

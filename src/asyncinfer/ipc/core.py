@@ -1,0 +1,223 @@
+"""The engine core: an ``AsyncEngine`` in a process of its own, fed over ZeroMQ.
+
+The core's event loop does nothing but the engine's work: it takes requests and aborts from
+the fronts' inbound socket, runs the coordinator (which awaits the device as it does
+in-process), and sends each front one :class:`~.messages.Out` per round, gathered from the
+events the round delivered (a flush scheduled with the first event of a round runs once the
+round has delivered them all, while the next batch computes). Between rounds that deliver
+nothing, changed counters go out every 0.1 s, so a front's admission sees the queue drain.
+
+The process ignores SIGINT (the server that started it coordinates a Ctrl-C: fronts drain
+first, then tell the core to stop); SIGTERM, a :class:`~.messages.Shutdown`, or the exit of
+the server process stops it, ending what is still open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+import zmq
+import zmq.asyncio
+
+from asyncinfer.core import Event
+from asyncinfer.ipc import messages as msg
+from asyncinfer.ipc.process import new_event_loop, watch_exit
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL = 0.1
+
+
+@attrs.define
+class _Box:
+    """What one front gets at the next flush."""
+
+    uids: list[int] = attrs.Factory(list)
+    tokens: list[int] = attrs.Factory(list)
+    ends: list[msg.End] = attrs.Factory(list)
+
+
+class _Remote:
+    """The channel of one request of one front: its events go to that front's box."""
+
+    __slots__ = ("box", "core", "front")
+
+    def __init__(self, core: EngineCore, front: int) -> None:
+        self.core, self.front, self.box = core, front, core._boxes[front]
+
+    def put_nowait(self, event: Event) -> None:
+        box = self.box
+        if event.token is not None:
+            box.uids.append(event.uid)
+            box.tokens.append(event.token)
+        if event.finished:
+            box.ends.append(msg.End(event.uid, event.finish_reason or "abort", event.error,
+                                    event.error_kind, event.prefix_len))
+            self.core._open[self.front].discard(event.uid)
+        self.core._want_flush()
+
+
+class EngineCore:
+    """Serves ``engine`` to ``fronts`` front processes at ``addresses``."""
+
+    def __init__(self, engine: Any, addresses: msg.Addresses, fronts: int) -> None:
+        self.engine = engine
+        self.fronts = fronts
+        self._ctx = zmq.asyncio.Context()
+        self._inbound = self._ctx.socket(zmq.PULL)
+        self._inbound.setsockopt(zmq.RCVHWM, 0)
+        self._inbound.bind(addresses.inbound)
+        # Sends go through plain sockets that never block (no high-water mark).
+        self._sync_ctx = zmq.Context()
+        self._outbound = []
+        for front in range(fronts):
+            sock = self._sync_ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never block the loop: a slow front queues
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.bind(addresses.outbound(front))
+            self._outbound.append(sock)
+        self._boxes = [_Box() for _ in range(fronts)]
+        self._open: list[set[int]] = [set() for _ in range(fronts)]
+        self._received = [0] * fronts
+        self._sent_stats: list[list[int] | None] = [None] * fronts
+        self._flush_pending = False
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to end (from a signal handler or a watcher)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Serve until stopped, then end what is open and tell the fronts."""
+        await self.engine.start()
+        tasks = [asyncio.create_task(self._receive(), name="asyncinfer-core-in"),
+                 asyncio.create_task(self._report(), name="asyncinfer-core-stats")]
+        try:
+            await self._stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await self.engine.close()    # open requests end with an error event
+            self._flush()
+            for sock in [self._inbound, *self._outbound]:
+                sock.close()
+            self._ctx.term()
+            self._sync_ctx.term()
+
+    async def _receive(self) -> None:
+        while True:
+            data = await self._inbound.recv()
+            try:
+                self._apply(msg.decode_inbound(data))
+            except Exception:  # a malformed message must not take the core down
+                logger.exception("engine core: a message could not be applied")
+
+    def _apply(self, message: msg.Inbound) -> None:
+        if isinstance(message, msg.Add):
+            front = message.front
+            self._received[front] += 1
+            channel = _Remote(self, front)
+            try:
+                params = msg.params_from(message.params)
+            except Exception as exc:
+                channel.put_nowait(Event(message.uid, None, "error", str(exc),
+                                         error_kind="invalid"))
+                return
+            self._open[front].add(message.uid)
+            self.engine.submit(message.uid, message.prompt_ids, params, channel)
+        elif isinstance(message, msg.Abort):
+            for uid in message.uids:
+                self.engine.abort(uid)
+                for open_uids in self._open:
+                    open_uids.discard(uid)
+        elif isinstance(message, msg.AbortAll):
+            for uid in sorted(self._open[message.front]):
+                self.engine.abort(uid)
+            self._open[message.front].clear()
+        elif isinstance(message, msg.Shutdown):
+            self.stop()
+
+    def _want_flush(self) -> None:
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send every front with news its message for this round."""
+        self._flush_pending = False
+        stats = list(attrs.astuple(self.engine.stats()))
+        for front, box in enumerate(self._boxes):
+            if box.uids or box.ends:
+                self._send(front, msg.Out(box.uids, box.tokens, box.ends, stats,
+                                          self._received[front]))
+                box.uids, box.tokens, box.ends = [], [], []
+
+    def _send(self, front: int, out: msg.Out) -> None:
+        self._sent_stats[front] = out.stats
+        try:
+            self._outbound[front].send(msg.encode(out), flags=zmq.NOBLOCK)
+        except zmq.Again:  # not connected (yet, or any more): nobody to tell
+            logger.debug("engine core: front %d is not connected", front)
+
+    async def _report(self) -> None:
+        """Changed counters to every front, between rounds that say nothing to it."""
+        while True:
+            await asyncio.sleep(STATS_INTERVAL)
+            stats = list(attrs.astuple(self.engine.stats()))
+            for front in range(self.fronts):
+                if self._sent_stats[front] != stats:
+                    self._send(front, msg.Out([], [], [], stats, self._received[front]))
+
+
+def run_engine_core(options: dict[str, Any], addresses: msg.Addresses, fronts: int,
+                    ready: Connection, log_level: int) -> None:
+    """The core process's entry: load the engine, report ready (a CoreInfo) or the error
+    that stopped it (a string) on ``ready``, then serve until stopped."""
+    logging.basicConfig(level=log_level,
+                        format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from asyncinfer.api import AsyncEngine
+
+    try:
+        engine = AsyncEngine(**options)
+    except Exception as exc:
+        ready.send(f"{type(exc).__name__}: {exc}")
+        ready.close()
+        raise SystemExit(1) from None
+    parent = os.getppid()
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(_serve(engine, addresses, fronts, ready, parent))
+    finally:
+        loop.close()
+
+
+async def _serve(engine: Any, addresses: msg.Addresses, fronts: int, ready: Connection,
+                 parent: int) -> None:
+    core = EngineCore(engine, addresses, fronts)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, core.stop)
+
+    def orphaned() -> None:
+        logger.error("the server process %d is gone; the engine core stops", parent)
+        core.stop()
+
+    unwatch = watch_exit(parent, orphaned)
+    ready.send(msg.CoreInfo(os.getpid(), engine.model_name, engine.config.model,
+                            engine.context_len, engine.runner.num_pages))
+    ready.close()
+    try:
+        await core.run()
+    finally:
+        unwatch()

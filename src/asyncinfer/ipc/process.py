@@ -1,0 +1,76 @@
+"""Event loops, and watching another process from one without polling where Linux allows."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop loop when uvloop is installed, else asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def watch_exit(pid: int, callback: Callable[[], None]) -> Callable[[], None]:
+    """Call ``callback`` on the running loop once process ``pid`` has exited (at once if it
+    is already gone); returns a function that stops watching.
+
+    On Linux a pidfd becomes readable when the process exits, whoever its parent is; where
+    there is none, the process is polled every 0.2 s.
+    """
+    loop = asyncio.get_running_loop()
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        handle = loop.call_soon(callback)
+        return handle.cancel
+    except (AttributeError, OSError):
+        return _poll(loop, pid, callback)
+
+    def exited() -> None:
+        stop()
+        callback()
+
+    def stop() -> None:
+        with contextlib.suppress(Exception):
+            loop.remove_reader(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    loop.add_reader(fd, exited)
+    return stop
+
+
+def _poll(loop: asyncio.AbstractEventLoop, pid: int,
+          callback: Callable[[], None]) -> Callable[[], None]:
+    def check() -> None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            callback()
+            return
+        except PermissionError:
+            pass
+        state[0] = loop.call_later(0.2, check)
+
+    state = [loop.call_later(0.2, check)]
+    return lambda: state[0].cancel()
+
+
+def describe_exit(code: int | None) -> str:
+    """A process's exit code (``multiprocessing``'s: negative for a signal) in words."""
+    if code is None:
+        return "exited"
+    if code < 0:
+        import signal
+
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -1,0 +1,201 @@
+"""The engine core behind ZeroMQ and the fronts' EngineClient, in one event loop: the same
+tokens as the in-process engine, streams that coalesce, aborts and drains that reach the
+core, fronts kept apart, and a core that goes away ending every request with 503's kind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from asyncinfer.api import AsyncEngine
+from asyncinfer.ipc import messages as msg
+from asyncinfer.ipc.client import EngineClient
+from asyncinfer.ipc.core import EngineCore
+from asyncinfer.params import SamplingParams
+from asyncinfer.tokenizer import Tokenizer
+from tests.test_async_engine import greedy, tiny_engine
+
+
+class Served:
+    """An EngineCore running in this loop and ``fronts`` clients connected to it."""
+
+    def __init__(self, engine: AsyncEngine, directory: Path, fronts: int,
+                 core_pid: int | None = None, tokenizer: Tokenizer | None = None) -> None:
+        self.engine = engine
+        addresses = msg.Addresses(str(directory))
+        self.core = EngineCore(engine, addresses, fronts)
+        info = msg.CoreInfo(core_pid or os.getpid(), "m", str(directory), engine.context_len,
+                            engine.runner.num_pages)
+        self.clients = [EngineClient(info, addresses, i, fronts, tokenizer)
+                        for i in range(fronts)]
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Served:
+        self.task = asyncio.create_task(self.core.run())
+        for client in self.clients:
+            await client.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for client in self.clients:
+            await client.close()
+        self.core.stop()
+        assert self.task is not None
+        await self.task
+
+    async def idle(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        sched = self.engine.scheduler
+        while sched.has_work or sched.in_flight or self.engine.stats().waiting:
+            assert time.monotonic() < deadline, "the core never went idle"
+            await asyncio.sleep(0.01)
+
+
+def prompts(n: int, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+async def test_two_fronts_get_the_in_process_engines_tokens(tiny_llama_dir: Path,
+                                                             tmp_path: Path) -> None:
+    batch = prompts(24)
+    lengths = [random.Random(i).randrange(1, 20) for i in range(len(batch))]
+    async with tiny_engine(tiny_llama_dir, cache_type="naive") as engine:
+        expected = [(await engine.generate(p, greedy(n))).token_ids
+                    for p, n in zip(batch, lengths)]
+    async with Served(tiny_engine(tiny_llama_dir, cache_type="naive"), tmp_path, 2) as served:
+        a, b = served.clients
+        outputs = await asyncio.gather(*(
+            (a if i % 2 else b).generate(p, greedy(n))
+            for i, (p, n) in enumerate(zip(batch, lengths))))
+        assert [o.token_ids for o in outputs] == expected
+        assert all(o.finish_reason == "length" for o in outputs)
+        streamed = [d async for d in a.stream(batch[0], greedy(lengths[0]))]
+        assert [t for d in streamed for t in d.token_ids] == expected[0]
+        assert streamed[-1].output is not None
+        assert streamed[-1].output.token_ids == expected[0]
+        await served.idle()
+        stats = a.stats()
+        assert stats.kv_pages_used == 0 and stats.waiting == 0 and stats.running == 0
+
+
+async def test_a_reader_that_falls_behind_gets_the_tokens_in_one_delta(
+        tiny_llama_dir: Path, tmp_path: Path) -> None:
+    async with Served(tiny_engine(tiny_llama_dir), tmp_path, 1) as served:
+        client = served.clients[0]
+        stream = client.stream([5, 6, 7], greedy(30))
+        first = await stream.__anext__()
+        await asyncio.sleep(1.0)        # the engine runs on; this reader does not
+        rest = [d async for d in stream]
+        assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 30
+        assert any(len(d.token_ids) > 1 for d in rest)
+        assert len(rest) < 29
+
+
+async def test_cancelled_requests_free_their_pages_in_the_core(tiny_llama_dir: Path,
+                                                               tmp_path: Path) -> None:
+    async with Served(tiny_engine(tiny_llama_dir), tmp_path, 1) as served:
+        client = served.clients[0]
+        long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        tasks = [asyncio.create_task(client.generate(p, long)) for p in prompts(6)]
+        streams = [client.stream(p, long) for p in prompts(3, seed=9)]
+        for stream in streams:
+            await stream.__anext__()
+        await asyncio.sleep(0.1)
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()        # the reader went away
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await served.idle()
+        assert served.engine.stats().kv_pages_used == 0
+        assert served.engine.stats().running == 0
+
+
+async def test_abort_all_of_one_front_leaves_the_other_fronts_requests(
+        tiny_llama_dir: Path, tmp_path: Path) -> None:
+    async with Served(tiny_engine(tiny_llama_dir), tmp_path, 2) as served:
+        a, b = served.clients
+        long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        on_a = [asyncio.create_task(a.generate(p, long)) for p in prompts(3)]
+        on_b = [asyncio.create_task(b.generate(p, long)) for p in prompts(3, seed=4)]
+        await asyncio.sleep(0.2)
+        a.abort_all()
+        ended = await asyncio.gather(*on_a)
+        assert {o.finish_reason for o in ended} == {"abort"}
+        finished = await asyncio.gather(*on_b)
+        assert [len(o.token_ids) for o in finished] == [60, 60, 60]
+        await served.idle()
+        assert served.engine.stats().kv_pages_used == 0
+
+
+async def test_stop_strings_are_matched_in_the_front(smollm2_dir: Path, tmp_path: Path) -> None:
+    tokenizer = Tokenizer.from_pretrained(smollm2_dir)
+    engine = AsyncEngine(None, dtype="float32", max_running_requests=4, kv_cache_gb=0.25)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    async with engine:
+        full = await engine.generate("The capital of France is", params)
+    stop = full.text.split()[1]
+    async with Served(AsyncEngine(None, dtype="float32", max_running_requests=4,
+                                  kv_cache_gb=0.25), tmp_path, 1,
+                      tokenizer=tokenizer) as served:
+        out = await served.clients[0].generate("The capital of France is",
+                                               params.replace(stop=(stop,)))
+        assert out.finish_reason == "stop"
+        assert out.text == full.text[: full.text.index(stop)]
+        await served.idle()
+        assert served.engine.stats().running == 0
+
+
+async def test_requests_in_transit_count_as_waiting(tiny_llama_dir: Path,
+                                                    tmp_path: Path) -> None:
+    async with Served(tiny_engine(tiny_llama_dir), tmp_path, 1) as served:
+        client = served.clients[0]
+        tasks = [asyncio.create_task(client.generate(p, greedy(4))) for p in prompts(5)]
+        await asyncio.sleep(0)          # sent; the core has not read them yet
+        assert client.stats().waiting == 5
+        await asyncio.gather(*tasks)
+        await served.idle()
+        await asyncio.sleep(0.3)        # the core's counters arrive between rounds too
+        assert client.stats().waiting == 0
+
+
+@pytest.fixture
+def stand_in() -> AsyncIterator[subprocess.Popen[bytes]]:
+    """A process whose death stands for the core's (the core itself runs in this loop)."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+async def test_a_core_that_dies_ends_every_request_as_unavailable(
+        tiny_llama_dir: Path, tmp_path: Path, stand_in: subprocess.Popen[bytes]) -> None:
+    async with Served(tiny_engine(tiny_llama_dir), tmp_path, 1,
+                      core_pid=stand_in.pid) as served:
+        client = served.clients[0]
+        exited = asyncio.Event()
+        client.on_core_exit(exited.set)
+        long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        whole = asyncio.create_task(client.generate([3, 4, 5], long))
+        stream = client.stream([6, 7, 8], long)
+        await stream.__anext__()
+        assert client.alive
+        stand_in.kill()
+        start = time.monotonic()
+        await asyncio.wait_for(exited.wait(), 1.0)
+        out = await asyncio.wait_for(whole, 1.0)
+        assert (out.finish_reason, out.error_kind) == ("error", "unavailable")
+        last = [d async for d in stream][-1]
+        assert last.output is not None and last.output.error_kind == "unavailable"
+        assert time.monotonic() - start < 1.0
+        assert not client.alive
+        late = await client.generate([1, 2], greedy(2))
+        assert (late.finish_reason, late.error_kind) == ("error", "unavailable")
