@@ -82,8 +82,13 @@ async def test_two_fronts_get_the_in_process_engines_tokens(tiny_llama_dir: Path
         assert streamed[-1].output is not None
         assert streamed[-1].output.token_ids == expected[0]
         await served.idle()
+        await asyncio.sleep(0.3)        # the core's counters arrive between rounds too
         stats = a.stats()
         assert stats.kv_pages_used == 0 and stats.waiting == 0 and stats.running == 0
+        assert stats == served.engine.stats()
+        # Every round is counted, with its host and device-wait seconds.
+        assert stats.rounds >= stats.batches_prefill + stats.batches_decode > 0
+        assert stats.round_host_seconds > 0 and stats.round_wait_seconds > 0
 
 
 async def test_a_reader_that_falls_behind_gets_the_tokens_in_one_delta(

@@ -59,6 +59,9 @@ class Stats:
     prefix_cache_hits: int = 2
     prefix_cache_query_tokens: int = 90
     prefix_cache_hit_tokens: int = 32
+    rounds: int = 12
+    round_host_seconds: float = 0.25
+    round_wait_seconds: float = 0.75
 
 
 @define(slots=False)
@@ -443,7 +446,10 @@ async def test_metrics_exposes_outcomes_tokens_latencies_and_engine_state(
                  "asyncinfer_prefix_cache_queries_total 7.0",
                  "asyncinfer_prefix_cache_hits_total 2.0",
                  "asyncinfer_prefix_cache_query_tokens_total 90.0",
-                 "asyncinfer_prefix_cache_hit_tokens_total 32.0"):
+                 "asyncinfer_prefix_cache_hit_tokens_total 32.0",
+                 "asyncinfer_engine_rounds_total 12.0",
+                 "asyncinfer_engine_round_host_seconds_total 0.25",
+                 "asyncinfer_engine_round_wait_seconds_total 0.75"):
         assert line in text
 
 

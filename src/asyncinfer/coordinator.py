@@ -85,6 +85,8 @@ class Coordinator:
         self._channels: dict[int, Channel] = {}
         self._queued_adds = 0                   # requests added but not yet applied
         self._waited = 0.0                      # seconds awaiting the device, all rounds
+        self._rounds = 0
+        self._round_s = 0.0                     # seconds in rounds, waits included
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-wait")
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()            # set while the loop waits with nothing to do
@@ -182,6 +184,8 @@ class Coordinator:
                 await self._fail_all(f"engine error: {exc}")
                 inflight = None
             self._deliver(self.scheduler.take_events())
+            self._rounds += 1
+            self._round_s += time.perf_counter() - start
             if self.observer is not None:
                 self.observer(self._record(start, self._waited - waited, inflight))
 
@@ -286,7 +290,9 @@ class Coordinator:
 
     def stats(self) -> dict[str, Any]:
         """Counts for metrics: waiting, running, pages, batches by phase, prefix-cache
-        lookups (see scheduler.cache.PrefixCacheStats)."""
+        lookups (see scheduler.cache.PrefixCacheStats), and the loop's rounds with the
+        seconds they took on the host and awaiting the device (the host's share is what
+        a faster device cannot shorten)."""
         sched = self.scheduler
         total = sched.engine.num_pages
         prefix = sched.cache.stats
@@ -299,4 +305,7 @@ class Coordinator:
                 "batches_decode": self.batches["decode"],
                 "prefix_cache_queries": prefix.queries, "prefix_cache_hits": prefix.hits,
                 "prefix_cache_query_tokens": prefix.query_tokens,
-                "prefix_cache_hit_tokens": prefix.hit_tokens}
+                "prefix_cache_hit_tokens": prefix.hit_tokens,
+                "rounds": self._rounds,
+                "round_host_seconds": self._round_s - self._waited,
+                "round_wait_seconds": self._waited}

@@ -77,7 +77,8 @@ class EngineStats:
 
     The prefix-cache counts run from the start: one query per admitted request, a hit when
     it found at least one token cached, and the prompt tokens queried and found (all 0
-    without a prefix cache).
+    without a prefix cache). So do the engine loop's rounds and the seconds they spent on
+    the host (scheduling, launching, processing, delivering) and awaiting the device.
     """
 
     waiting: int
@@ -90,6 +91,9 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    rounds: int = 0
+    round_host_seconds: float = 0.0
+    round_wait_seconds: float = 0.0
 
 
 class Channel(Protocol):

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+import attrs
 import zmq
 import zmq.asyncio
 
@@ -60,7 +61,7 @@ class EngineClient:
         self._addresses = addresses
         self._uids = itertools.count(front, fronts)
         self._channels: dict[int, Channel] = {}
-        self._stats = [0, 0, 0, info.kv_pages_total, 0, 0]
+        self._stats = EngineStats(0, 0, 0, info.kv_pages_total, 0, 0)
         self._sent = 0                 # Adds sent
         self._received = 0             # of which the core has taken
         self._gone: str | None = None  # why the core can no longer answer
@@ -121,10 +122,9 @@ class EngineClient:
     def stats(self) -> EngineStats:
         """The core's counters as of its last message; Adds it has not taken yet count as
         waiting."""
-        stats = EngineStats(*self._stats)
         in_transit = self._sent - self._received
-        return stats if not in_transit else EngineStats(
-            stats.waiting + in_transit, *self._stats[1:])
+        return self._stats if not in_transit else attrs.evolve(
+            self._stats, waiting=self._stats.waiting + in_transit)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None
                        ) -> RequestOutput:

@@ -29,6 +29,7 @@ import zmq.asyncio
 from asyncinfer.core import Event
 from asyncinfer.ipc import messages as msg
 from asyncinfer.ipc.process import new_event_loop, watch_exit
+from asyncinfer.outputs import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class EngineCore:
         self._boxes = [_Box() for _ in range(fronts)]
         self._open: list[set[int]] = [set() for _ in range(fronts)]
         self._received = [0] * fronts
-        self._sent_stats: list[list[int] | None] = [None] * fronts
+        self._sent_stats: list[EngineStats | None] = [None] * fronts
         self._flush_pending = False
         self._stop = asyncio.Event()
 
@@ -155,7 +156,7 @@ class EngineCore:
     def _flush(self) -> None:
         """Send every front with news its message for this round."""
         self._flush_pending = False
-        stats = list(attrs.astuple(self.engine.stats()))
+        stats = self.engine.stats()
         for front, box in enumerate(self._boxes):
             if box.uids or box.ends:
                 self._send(front, msg.Out(box.uids, box.tokens, box.ends, stats,
@@ -173,7 +174,7 @@ class EngineCore:
         """Changed counters to every front, between rounds that say nothing to it."""
         while True:
             await asyncio.sleep(STATS_INTERVAL)
-            stats = list(attrs.astuple(self.engine.stats()))
+            stats = self.engine.stats()
             for front in range(self.fronts):
                 if self._sent_stats[front] != stats:
                     self._send(front, msg.Out([], [], [], stats, self._received[front]))

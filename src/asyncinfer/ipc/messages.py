@@ -15,6 +15,7 @@ import attrs
 import msgspec
 
 from asyncinfer.core import ErrorKind, Event, FinishReason
+from asyncinfer.outputs import EngineStats
 from asyncinfer.params import SamplingParams
 
 
@@ -65,14 +66,14 @@ class Out(msgspec.Struct, array_like=True):
     """What one round produced for one front's requests.
 
     ``tokens[i]`` is the new token of request ``uids[i]``; ``ends`` the requests that
-    finished; ``stats`` the engine's counters (EngineStats' fields in order) after the round;
+    finished; ``stats`` the engine's counters after the round;
     ``received`` how many Adds of this front the core has taken so far (the front counts the
     rest as waiting)."""
 
     uids: list[int]
     tokens: list[int]
     ends: list[End]
-    stats: list[int]
+    stats: EngineStats
     received: int
 
 

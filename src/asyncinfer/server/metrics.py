@@ -57,7 +57,14 @@ class _EngineCollector(Collector):
              stats.prefix_cache_query_tokens),
             ("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
              stats.prefix_cache_hit_tokens))
-        for name, doc, value in counters:
+        rounds = (
+            ("engine_rounds", "Rounds of the engine loop", stats.rounds),
+            ("engine_round_host_seconds", "Seconds the engine loop's rounds spent on the "
+             "host: scheduling, launching, processing, delivering",
+             stats.round_host_seconds),
+            ("engine_round_wait_seconds", "Seconds the engine loop's rounds spent awaiting "
+             "the device", stats.round_wait_seconds))
+        for name, doc, value in counters + rounds:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
 
 
