@@ -1,0 +1,352 @@
+"""A rate sweep of ``asyncinfer bench serve`` against ``asyncinfer serve``, one server per
+policy, with the engine core's round counters and, optionally, py-spy profiles and the
+offline figures to hold the served ones against (``python -m benchmarks.serve_sweep``).
+
+For each policy it starts ``asyncinfer serve --policy P`` with the engine flags given after
+``--``, waits for ``/health``, and for each rate runs ``asyncinfer bench serve`` (Poisson
+arrivals, ``inf`` all at once), reading ``/metrics`` before and after: the engine core's
+rounds, their host and device-wait seconds, and the running requests sampled every 0.25 s.
+With ``--profile-rate R`` the core and every front are sampled by py-spy (``--profile-s`` s
+at 200 Hz, idle included) during the run at rate R, and the main thread's samples are
+sorted into what they were doing. With ``--offline`` it first runs the GPU offline workload
+(``benchmarks.offline --workload gpu``) and the decode step at ``--decode-batches`` (median
+round of a decode batch of that many requests, offline), in the same machine and call.
+
+    python -m benchmarks.serve_sweep --out OUT --shape qwen3-0.6b --tokenizer TOK \\
+        --rates 40,100,inf --num-requests 400 --input-len-range 100,1024 \\
+        --output-len-range 100,512 --slo-ttft-ms 500 --slo-tpot-ms 50 --offline \\
+        --profile-rate 100 -- --device cuda --dtype bfloat16 --max-running-requests 256
+
+On a CPU without ``--shape`` it serves the embedded model:
+``python -m benchmarks.serve_sweep --out docs/benchmarks/serve --rates 0.5,1,2
+--num-requests 12 --input-len 128 --output-len 32``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from benchmarks.util import git_commit, write_report
+
+POLICIES = ("prefill_first", "decode_first", "skip_ahead")
+
+# What a main-thread sample was doing: the first rule whose text is in the stack wins.
+CATEGORIES = (
+    ("launch: eager forward", ("ModelRunner._eager",)),
+    ("launch: graph replay", ("ModelRunner._replay", "Graphs.run")),
+    ("launch: other", ("ModelRunner.launch",)),
+    ("schedule", ("Scheduler.schedule",)),
+    ("process tokens", ("Scheduler.process",)),
+    ("ipc out", ("EngineCore._flush", "EngineCore._report")),
+    ("ipc in", ("EngineCore._receive", "EngineClient._read")),
+    ("detokenize", ("Detokenizer", "detokeniz")),
+    ("stream writes", ("StreamResponse.write", "_relay")),
+    ("http parse and validate", ("_parse", "_json_body", "protocol.py")),
+    ("tokenize", ("_Encoder", "tokenizer.py")),
+    ("aiohttp", ("aiohttp/",)),
+)
+
+
+# A main-thread sample whose innermost Python frame is one of these is the event loop
+# waiting (uvloop's loop is C: its caller is the innermost frame then).
+IDLE = re.compile(r"(run_engine_core|serve|_front_process) \(asyncinfer/|"
+                  r"(\S+\.)?(run_until_complete|run_forever|select|_run_once) ")
+
+
+def shape_model(shape: str, tokenizer: Path, root: Path) -> Path:
+    """A model directory of ``shape`` (config only: dummy weights) with ``tokenizer``'s files
+    and vocabulary, so the server can tokenize."""
+    from benchmarks.gpu_offline import shape_dir
+
+    model = shape_dir(shape, root)
+    for item in tokenizer.iterdir():
+        if item.is_file():
+            shutil.copy(item, model / item.name)
+    vocab = json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"]
+    added = json.loads((tokenizer / "tokenizer.json").read_text()).get("added_tokens", [])
+    size = max([*vocab.values(), *(t["id"] for t in added)]) + 1
+    config = json.loads((model / "config.json").read_text())
+    config["vocab_size"] = size
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The unlabelled samples of ``/metrics``, by name."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out = {}
+    for line in text.splitlines():
+        match = re.match(r"^(asyncinfer_[a-z_]+) ([0-9.e+-]+)$", line)
+        if match:
+            out[match.group(1)] = float(match.group(2))
+    return out
+
+
+class Sampler(threading.Thread):
+    """Samples the running requests every 0.25 s while the load runs."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.values, self.done = url, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.25):
+            try:
+                self.values.append(metrics(self.url)["asyncinfer_requests_running"])
+            except Exception:  # a scrape that fails is a sample lost, nothing more
+                pass
+
+
+def children(pid: int) -> list[int]:
+    """The server's spawned processes (engine core first, then fronts 1..N-1)."""
+    try:
+        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def summarize_profile(path: Path) -> dict[str, Any]:
+    """Main-thread samples of a py-spy raw profile, busy or idle, busy ones by category,
+    and the busiest leaf functions."""
+    cats: collections.Counter[str] = collections.Counter()
+    leaves: collections.Counter[str] = collections.Counter()
+    total = idle = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack.startswith("thread") or "MainThread" not in stack.split(";")[0]:
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")[1:]
+        leaf = frames[-1] if frames else ""
+        if IDLE.match(leaf):
+            idle += n
+            continue
+        cats[next((name for name, keys in CATEGORIES if any(k in stack for k in keys)),
+                  "other")] += n
+        leaves[leaf] += n
+    busy = total - idle
+    return {"samples": total, "busy": busy, "busy_share": round(busy / max(total, 1), 3),
+            "busy_by_category": {k: round(v / max(busy, 1), 3) for k, v in cats.most_common()},
+            "top_leaves": [[k, v] for k, v in leaves.most_common(12)]}
+
+
+def profile(pids: dict[str, int], seconds: float, out: Path) -> list[subprocess.Popen[bytes]]:
+    """Start py-spy on each process (it runs for ``seconds``)."""
+    procs = []
+    for name, pid in pids.items():
+        procs.append(subprocess.Popen(
+            ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)),
+             "--rate", "200", "--format", "raw", "--threads", "--idle", "--nonblocking",
+             "--output", str(out / f"{name}.txt")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return procs
+
+
+def start_server(model: str | None, policy: str, port: int, engine_flags: list[str],
+                 api_workers: int, log: Path) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port),
+           "--policy", policy, "--api-workers", str(api_workers),
+           "--max-waiting-requests", "100000", *engine_flags]
+    if model:
+        cmd += ["--model", model]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode}); see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return proc
+        except OSError:
+            time.sleep(1.0)
+    proc.kill()
+    raise SystemExit(f"the server did not come up; see {log}")
+
+
+def run_rate(url: str, policy: str, rate: str, args: argparse.Namespace, out: Path,
+             pids: dict[str, int] | None) -> dict[str, Any]:
+    before = metrics(url)
+    sampler = Sampler(url)
+    sampler.start()
+    report = out / f"{policy}-r{rate}.json"
+    cmd = [sys.executable, "-m", "asyncinfer.cli", "bench", "serve", "--url", url,
+           "--rate", rate, "--num-requests", str(args.num_requests), "--seed", "0",
+           "--policy", policy, "--json", str(report), "--timeout", "1800"]
+    for flag in ("input_len", "output_len", "input_len_range", "output_len_range",
+                 "slo_ttft_ms", "slo_tpot_ms"):
+        value = getattr(args, flag)
+        if value is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(value)]
+    spies = []
+    if pids:
+        spies = profile(pids, args.profile_s, out)
+        (out / "profiled.json").write_text(json.dumps({"policy": policy, "rate": rate}))
+    start = time.monotonic()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.monotonic() - start
+    sampler.done.set()
+    sampler.join()
+    for spy in spies:
+        spy.wait(timeout=120)
+    after = metrics(url)
+
+    def delta(name: str) -> float:
+        return after.get(f"asyncinfer_{name}", 0.0) - before.get(f"asyncinfer_{name}", 0.0)
+
+    rounds = delta("engine_rounds_total")
+    result = json.loads(report.read_text())
+    result.pop("requests", None)
+    result["engine"] = {
+        "rounds": int(rounds), "wall_s": round(wall, 2),
+        "host_ms_per_round": round(1000 * delta("engine_round_host_seconds_total")
+                                   / max(rounds, 1), 3),
+        "wait_ms_per_round": round(1000 * delta("engine_round_wait_seconds_total")
+                                   / max(rounds, 1), 3),
+        "wait_share": round(delta("engine_round_wait_seconds_total") / wall, 3),
+        "host_share": round(delta("engine_round_host_seconds_total") / wall, 3),
+        "running_mean": round(statistics.fmean(sampler.values), 1) if sampler.values else 0,
+        "batches_prefill": int(delta('batches_total{phase="prefill"}')),
+    }
+    if pids:
+        result["profile"] = {name: summarize_profile(out / f"{name}.txt")
+                             for name in pids if (out / f"{name}.txt").exists()}
+    return result
+
+
+def decode_steps(model: Path, batches: list[int], flags: list[str], prompt_len: int
+                 ) -> dict[int, float]:
+    """Median decode round (ms) of ``batch`` requests of ``prompt_len`` tokens, offline."""
+    import gc
+
+    import torch
+
+    from asyncinfer.api import LLM
+    from asyncinfer.cli import build_parser
+    from asyncinfer.coordinator import Round
+    from asyncinfer.options import engine_options
+    from asyncinfer.params import SamplingParams
+
+    options = engine_options(build_parser().parse_args(["serve", *flags]))
+    options.pop("model", None)
+    llm = LLM(str(model), skip_tokenizer_init=True, **options)
+    out = {}
+    params = SamplingParams(max_tokens=64, temperature=0.6, ignore_eos=True)
+    for batch in batches:
+        prompts = [[100 + (i * 7 + j) % 20000 for j in range(prompt_len)] for i in range(batch)]
+        llm.generate(prompts[:8], params, use_tqdm=False)   # warm
+        rounds: list[Round] = []
+        llm.engine.observe_rounds(rounds.append)
+        llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.observe_rounds(None)
+        full = [r.host_s + r.wait_s for r in rounds if r.phase == "decode" and r.size == batch]
+        out[batch] = round(1000 * statistics.median(full), 3) if full else float("nan")
+    llm.close()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    engine_flags: list[str] = []
+    if "--" in argv:
+        engine_flags = argv[argv.index("--") + 1:]
+        argv = argv[: argv.index("--")]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--rates", default="40,100,inf")
+    parser.add_argument("--num-requests", type=int, default=400)
+    parser.add_argument("--input-len", type=int)
+    parser.add_argument("--output-len", type=int)
+    parser.add_argument("--input-len-range")
+    parser.add_argument("--output-len-range")
+    parser.add_argument("--slo-ttft-ms", type=float)
+    parser.add_argument("--slo-tpot-ms", type=float)
+    parser.add_argument("--shape", help="serve a model of this shape with dummy weights")
+    parser.add_argument("--tokenizer", help="the tokenizer files of --shape's model")
+    parser.add_argument("--api-workers", type=int, default=1)
+    parser.add_argument("--profile-rate", help="profile the processes during this rate")
+    parser.add_argument("--profile-policies", default="decode_first,prefill_first")
+    parser.add_argument("--profile-s", type=float, default=8.0)
+    parser.add_argument("--offline", action="store_true",
+                        help="first: the GPU offline workload and the decode steps")
+    parser.add_argument("--decode-batches", default="64,128,192,256")
+    parser.add_argument("--port", type=int, default=18631)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = None
+    if args.shape:
+        model = str(shape_model(args.shape, Path(args.tokenizer), Path(tempfile.mkdtemp())))
+        engine_flags = ["--load-format", "dummy", *engine_flags]
+    summary: dict[str, Any] = {"benchmark": "serve-sweep", "commit": git_commit(),
+                               "model": f"{args.shape} (dummy weights)" if args.shape
+                               else "embedded", "engine_flags": engine_flags,
+                               "api_workers": args.api_workers,
+                               "command": "python -m benchmarks.serve_sweep " + " ".join(
+                                   sys.argv[1:])}
+    if args.offline:
+        offline = out / "offline.json"
+        subprocess.run([sys.executable, "-m", "benchmarks.offline", "--workload", "gpu",
+                        "--shape", args.shape or "qwen3-0.6b", "--peers", "", "--json",
+                        str(offline)], check=True)
+        summary["offline_tokens_per_s"] = json.loads(offline.read_text())["tokens_per_s"]
+        assert model is not None, "--offline needs --shape"
+        summary["offline_decode_step_ms"] = decode_steps(
+            Path(model), [int(b) for b in args.decode_batches.split(",")], engine_flags, 560)
+        write_report(str(out / "summary.json"), summary)
+    runs = []
+    for i, policy in enumerate(args.policies.split(",")):
+        port = args.port + i
+        url = f"http://127.0.0.1:{port}"
+        server = start_server(model, policy, port, engine_flags, args.api_workers,
+                              out / f"server-{policy}.log")
+        try:
+            for rate in args.rates.split(","):
+                pids = None
+                if rate == args.profile_rate and policy in args.profile_policies.split(","):
+                    kids = children(server.pid)
+                    pids = {"core": kids[0], "front0": server.pid}
+                    pids.update({f"front{j}": k for j, k in enumerate(kids[1:], 1)})
+                    pids = {f"{policy}-{k}": v for k, v in pids.items()}
+                result = run_rate(url, policy, rate, args, out, pids)
+                runs.append(result)
+                print(json.dumps({"policy": policy, "rate": rate,
+                                  "output_tok_s": round(result["output_throughput"], 1),
+                                  "tpot_p50": round(result["tpot_ms"]["p50"], 2),
+                                  "ttft_p50": round(result["ttft_ms"]["p50"], 1),
+                                  **result["engine"]}), flush=True)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        summary["runs"] = runs
+        write_report(str(out / "summary.json"), summary)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
