@@ -344,6 +344,9 @@ def main() -> int:
                 server.kill()
         summary["runs"] = runs
         write_report(str(out / "summary.json"), summary)
+    reports = sorted(str(p) for p in out.glob("*-r*.json"))
+    subprocess.run([sys.executable, "-m", "benchmarks.plot", str(out / "serve-sweep.png"),
+                    *reports], check=False)  # TTFT and TPOT against rate (needs matplotlib)
     return 0
 
 
