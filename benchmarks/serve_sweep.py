@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -107,10 +108,8 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(0.25):
-            try:
+            with contextlib.suppress(Exception):  # a failed scrape: one sample lost
                 self.values.append(metrics(self.url)["asyncinfer_requests_running"])
-            except Exception:  # a scrape that fails is a sample lost, nothing more
-                pass
 
 
 def children(pid: int) -> list[int]:

@@ -1,8 +1,11 @@
 """A CPU stand-in for flashinfer's two paged-attention wrappers, written from their documented
 contract: int32 ``indptr``/``indices``/``last_page_len``, NHD pages, causal queries aligned to
 the end of each request's KV, and (CUDA-graph mode) plans copied into the caller's buffers and
-read back at run time. It lets the runner's flashinfer path (metadata, padding, graph buffers)
-run in the CPU suite; the real kernels are checked on the GPU (tests/gpu).
+read back at run time, with flashinfer's graph-mode rules for prefill (prefill.py, ``plan``
+and ``run``): a fixed batch size, no more query rows than the first plan had, queries exactly
+``qo_indptr[-1]``. Requests with no query row are allowed (a graph's padding). It lets the
+runner's flashinfer path (metadata, padding, graph buffers) run in the CPU suite; the real
+kernels are checked on the GPU (tests/gpu).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class _PagedWrapper:
         self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer,
                         paged_kv_last_page_len_buffer)
         self.qo_indptr: torch.Tensor | None = None
+        self.qo_indptr_buf: torch.Tensor | None = None
         self.planned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.plans = 0
 
@@ -56,7 +60,11 @@ class _PagedWrapper:
             assert self.planned is not None, "run before plan"
             indptr, indices, last = self.planned
         batch = last.numel()
-        qo = self.qo_indptr if self.qo_indptr is not None else torch.arange(batch + 1)
+        if self.qo_indptr_buf is not None:  # graph mode: read back like the buffers
+            qo = self.qo_indptr_buf
+        else:
+            qo = self.qo_indptr if self.qo_indptr is not None else torch.arange(batch + 1)
+        assert q.shape[0] == int(qo[-1]), "q must have qo_indptr[-1] rows"
         out = torch.empty_like(q)
         for i in range(batch):
             pages = indices[int(indptr[i]) : int(indptr[i + 1])].long()
@@ -64,6 +72,8 @@ class _PagedWrapper:
             keys = k_pages[pages].flatten(0, 1)[:kv_len].float()
             values = v_pages[pages].flatten(0, 1)[:kv_len].float()
             lo, hi = int(qo[i]), int(qo[i + 1])
+            if hi == lo:  # a request with no query row
+                continue
             qr = q[lo:hi].float()
             n = hi - lo
             group = q.shape[1] // keys.shape[1]
@@ -98,6 +108,24 @@ def _check_lengths(seq_lens: torch.Tensor | None, indptr: torch.Tensor,
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
+    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf: torch.Tensor | None = None,
+                 paged_kv_indptr_buf: torch.Tensor | None = None,
+                 paged_kv_indices_buf: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buf: torch.Tensor | None = None,
+                 backend: str = "auto") -> None:
+        super().__init__(workspace, kv_layout, use_cuda_graph,
+                         paged_kv_indptr_buffer=paged_kv_indptr_buf,
+                         paged_kv_indices_buffer=paged_kv_indices_buf,
+                         paged_kv_last_page_len_buffer=paged_kv_last_page_len_buf)
+        if use_cuda_graph:
+            assert qo_indptr_buf is not None and paged_kv_indptr_buf is not None
+            assert paged_kv_last_page_len_buf is not None
+            assert qo_indptr_buf.numel() == paged_kv_indptr_buf.numel()
+            assert paged_kv_last_page_len_buf.numel() == qo_indptr_buf.numel() - 1
+        self.qo_indptr_buf = qo_indptr_buf
+        self.max_total_num_rows: int | None = None
+
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor,
              paged_kv_indices: torch.Tensor, paged_kv_last_page_len: torch.Tensor,
              num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int,
@@ -106,6 +134,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         assert qo_indptr.dtype == torch.int32
         self.sm_scale = options.get("sm_scale") or head_dim_qk**-0.5
         self.qo_indptr = qo_indptr.clone()
+        if self.graph:  # flashinfer's graph-mode rules (prefill.py, plan)
+            assert self.qo_indptr_buf is not None
+            total = int(qo_indptr[-1])
+            if self.max_total_num_rows is None:
+                self.max_total_num_rows = total
+            assert total <= self.max_total_num_rows, "more rows than the first plan had"
+            self.qo_indptr_buf.copy_(qo_indptr)
         self._store(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         _check_lengths(options.get("seq_lens"), paged_kv_indptr, paged_kv_last_page_len,
                        page_size)

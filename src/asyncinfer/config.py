@@ -158,6 +158,11 @@ def _positive(_: object, attribute: Attribute[Any], value: int | None) -> None:
         raise ConfigError(f"{attribute.name} must be >= 1, got {value}")
 
 
+def _not_negative(_: object, attribute: Attribute[Any], value: int) -> None:
+    if value < 0:
+        raise ConfigError(f"{attribute.name} must be >= 0, got {value}")
+
+
 def _above_zero(_: object, attribute: Attribute[Any], value: float | None) -> None:
     if value is not None and value <= 0:
         raise ConfigError(f"{attribute.name} must be > 0, got {value}")
@@ -212,11 +217,17 @@ class EngineConfig:
     CPU it defaults to 2 GiB.
     ``attention_backend`` is "flashinfer" (CUDA only), "torch" (SDPA, the reference) or
     "auto": flashinfer on CUDA when it is installed (and the dtype is not float32, which
-    flashinfer has no kernels for), else torch. ``cuda_graph`` captures
-    decode at a ladder of batch sizes up to ``cuda_graph_max_bs`` (default: the running
-    limit) with the flashinfer backend; larger batches run eagerly. ``torch_compile`` fuses
-    the elementwise work between matrix products (norms, rotary, SiLU, sampling) with
-    torch.compile where that pays: on CUDA in half precision (elsewhere it is ignored).
+    flashinfer has no kernels for), else torch. ``cuda_graph`` captures decode at a ladder
+    of batch sizes up to ``cuda_graph_max_bs`` (default: the running limit), and prefill
+    (and mixed) batches at a ladder of token counts up to ``cuda_graph_max_prefill_tokens``
+    (0: none), with the flashinfer backend; larger batches run eagerly. A replay costs the
+    host one launch where an eager forward launches every layer's kernels, which for a
+    small model takes longer than the device's own work on a prefill of a couple of
+    thousand tokens (measured: docs/benchmarks.md); 2048 covers the prefill rounds of
+    online serving (a few hundred to ~2k tokens), and every size captured holds memory.
+    ``torch_compile`` fuses the elementwise work between matrix products (norms, rotary,
+    SiLU, sampling) with torch.compile where that pays: on CUDA in half precision
+    (elsewhere it is ignored).
     ``max_seq_len`` defaults to the model's context, capped at 8192 tokens.
     ``max_extend_tokens`` is the prefill token budget of one round; with ``chunked_prefill``
     a longer prompt is split across rounds, without it such a prompt is refused.
@@ -280,6 +291,10 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = option(None, check=_positive,
                                            help="largest decode batch captured as a CUDA "
                                                 "graph", means="the running limit")
+    cuda_graph_max_prefill_tokens: int = option(
+        2048, check=_not_negative,
+        help="largest prefill or mixed batch, in tokens, captured as CUDA graphs (0: prefill "
+             "runs eagerly)")
     torch_compile: bool = option(True, help="fuse norms, rotary, SiLU and sampling with "
                                             "torch.compile (CUDA, half precision); off: "
                                             "separate eager kernels")

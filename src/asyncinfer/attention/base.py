@@ -2,22 +2,56 @@
 
 A backend turns one batch into metadata once (``plan``) and attends with it in every layer
 (``forward``). Backends that can be captured in CUDA graphs (``capturable``) also keep static
-metadata per captured batch size (``init_graph_state``, ``graph_metadata``) and refill it
-for the real batch before each replay (``prepare_replay``); ``engine.cuda_graph`` drives
-those through this protocol alone. The runner picks a backend class by name from
-``attention.registry``.
+metadata per captured graph and refill it for the real batch before each replay;
+``engine.cuda_graph`` drives those through this protocol alone. The runner picks a backend
+class by name from ``attention.registry``.
+
+==================================  =========================================================
+member                              what it does
+==================================  =========================================================
+``capturable``                      whether the graph members below work
+``check(device, dtype)``            refuse a device or dtype before the model loads
+``plan(batch, out_loc)``            once per batch: metadata from its rows, extents and phase
+                                    and the host page table, uploaded without blocking
+``forward(layer, q, k, v, meta)``   attention for one layer; the new K, V are in the pool
+``init_graph_state(shapes)``        the static buffers shared by graphs of these shapes
+``graph_metadata(shape, out_loc)``  the metadata one graph (a ``GraphShape``) is captured with
+``prepare_replay(meta, rows,        refill that graph's buffers for a real batch, padded
+starts, ends)``                     to its shape with requests on the pad page
+==================================  =========================================================
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 from attrs import frozen
 
 from asyncinfer.core import Batch
 from asyncinfer.kvcache.pool import KVPool
+
+Phase = Literal["prefill", "decode"]   # as ``Batch.phase``
+
+
+@frozen
+class GraphShape:
+    """What one captured forward is built for: ``rows`` request rows over ``tokens`` query
+    tokens, replayed for any batch of the ``phase`` that fits in it.
+
+    A decode graph has one token per row (``tokens == rows``); a batch of ``n <= rows``
+    requests pads it with rows of one token that attend one token of the pad page. A prefill
+    graph (prompts, chunks, and those mixed with decoding requests) takes a batch of
+    ``n < rows`` requests and ``t <= tokens`` tokens: its row ``rows - 1`` is a padding
+    request that owns the ``tokens - t`` padding tokens at the end of the token axis (their
+    K, V on the pad page, where they attend), and rows ``n .. rows - 2`` are padding requests
+    with no token that hold one KV token of the pad page.
+    """
+
+    phase: Phase
+    rows: int
+    tokens: int
 
 
 @frozen
@@ -37,7 +71,7 @@ class AttentionSpec:
 
 class AttentionBackend(Protocol):
     """Plans attention once per batch, runs it for every layer, and (where ``capturable``)
-    supplies what CUDA graphs of decode batches need.
+    supplies what CUDA graphs of decode and prefill batches need.
 
     Planning reads the host: the batch's rows and extents, the host page table. Everything
     it uploads is ordered on the current stream, so planning batch N+1 never waits for
@@ -58,21 +92,23 @@ class AttentionBackend(Protocol):
         pool at ``meta.out_loc`` (the model writes them: ``AttentionContext.kv_slots``)."""
         ...
 
-    def init_graph_state(self, max_batch_size: int) -> None:
-        """Allocate the static buffers that graphs of up to ``max_batch_size`` decode rows
-        share (called once, before ``graph_metadata``)."""
+    def init_graph_state(self, shapes: Sequence[GraphShape]) -> None:
+        """Allocate the static buffers that graphs of these ``shapes`` share (called once,
+        with every graph that will be captured, before ``graph_metadata``)."""
         ...
 
-    def graph_metadata(self, batch_size: int, out_loc: torch.Tensor) -> Any:
-        """The metadata a graph of ``batch_size`` decode rows is captured with: its tensors
-        stay where they are across replays. ``out_loc`` [batch_size] is the graph's own
-        KV-slot buffer (refilled by the caller before each replay)."""
+    def graph_metadata(self, shape: GraphShape, out_loc: torch.Tensor) -> Any:
+        """The metadata a graph of ``shape`` is captured with: its tensors stay where they
+        are across replays. ``out_loc`` [shape.tokens] is the graph's own KV-slot buffer
+        (refilled by the caller before each replay, padding tokens on the pad page)."""
         ...
 
-    def prepare_replay(self, meta: Any, rows: Sequence[int], ends: Sequence[int]) -> None:
-        """Refill ``meta``'s buffers, in stream order, for a decode batch of the requests in
-        ``rows`` whose KV now ends at ``ends``; the graph's remaining rows are padding that
-        attends one token of ``AttentionSpec.pad_page``."""
+    def prepare_replay(self, meta: Any, rows: Sequence[int], starts: Sequence[int],
+                       ends: Sequence[int]) -> None:
+        """Refill ``meta``'s buffers, in stream order, for a batch whose request ``i``
+        computes positions ``[starts[i], ends[i])`` of table row ``rows[i]``; the graph's
+        remaining rows and tokens are padding on ``AttentionSpec.pad_page``, laid out as
+        ``GraphShape`` says."""
         ...
 
 

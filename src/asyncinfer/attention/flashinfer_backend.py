@@ -3,7 +3,8 @@
 The page table stays on the host. For each batch the backend turns it into flashinfer's
 paged layout (``indptr``, page ``indices``, ``last_page_len``) in pinned memory; flashinfer's
 ``plan`` copies it to the device without blocking, once per batch, and every layer reuses
-the plan.
+the plan. CUDA graphs get wrappers in flashinfer's graph mode, one per captured graph, whose
+plans copy the layout into static buffers that every graph shares.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from attrs import frozen
 
-from asyncinfer.attention.base import AttentionSpec
+from asyncinfer.attention.base import AttentionSpec, GraphShape
 from asyncinfer.attention.transfer import pin, upload
 from asyncinfer.core import Batch
 from asyncinfer.errors import ConfigError
@@ -48,10 +49,12 @@ class PagedLayout:
 
 
 def paged_layout(page_table: torch.Tensor, rows: Sequence[int], ends: Sequence[int],
-                 page_size: int, pad_to: int | None = None, pad_page: int = 0) -> PagedLayout:
+                 page_size: int, pad_lens: Sequence[int] = (), pad_page: int = 0
+                 ) -> PagedLayout:
     """Pages of positions ``[0, ends[i])`` of each row, read off the host page table.
 
-    ``pad_to`` appends rows of one token on ``pad_page`` (a CUDA graph's unused rows).
+    ``pad_lens`` appends rows of those KV lengths whose every page is ``pad_page`` (a CUDA
+    graph's padding requests; one longer than a page reads that page again).
     ``page_table`` is a CPU tensor.
     """
     lens = np.asarray(ends, np.int64)
@@ -60,16 +63,33 @@ def paged_layout(page_table: torch.Tensor, rows: Sequence[int], ends: Sequence[i
     # Every page_size-th slot of a row, divided by page_size, is the row's page list.
     pages = page_table.numpy()[:, ::page_size][np.asarray(rows), :width]
     indices = pages[np.arange(width) < counts[:, None]] // page_size
-    if pad_to is not None and pad_to > len(rows):
-        extra = pad_to - len(rows)
-        indices = np.concatenate([indices, np.full(extra, pad_page, np.int64)])
-        counts = np.concatenate([counts, np.ones(extra, np.int64)])
-        lens = np.concatenate([lens, np.ones(extra, np.int64)])
+    if len(pad_lens):
+        extra = np.asarray(pad_lens, np.int64)
+        extra_counts = (extra + page_size - 1) // page_size
+        indices = np.concatenate([indices, np.full(int(extra_counts.sum()), pad_page,
+                                                   np.int64)])
+        counts = np.concatenate([counts, extra_counts])
+        lens = np.concatenate([lens, extra])
     indptr = np.zeros(len(counts) + 1, np.int32)
     np.cumsum(counts, out=indptr[1:])
     last = lens - (counts - 1) * page_size
     return PagedLayout(torch.from_numpy(indptr),
                        *(torch.from_numpy(a.astype(np.int32)) for a in (indices, last, lens)))
+
+
+def prefill_graph_workspace_bytes(shape: GraphShape, num_heads: int, num_kv_heads: int,
+                                  head_dim: int, num_sms: int) -> int:
+    """The most float workspace flashinfer's prefill plan takes for a CUDA graph of ``shape``.
+
+    In graph mode its plan (``PrefillPlan`` in scheduler.cuh) always splits the KV and keeps
+    a partial output (``head_dim`` floats per query row and head) and a log-sum-exp (one
+    float) for each row of a fixed count of work tiles: ``max(2 * SMs // kv_heads,
+    ceil(tokens * group / tile) + rows - 1)`` tiles of ``tile <= 128`` query rows, so at most
+    ``max(2 * SMs // kv_heads * 128, tokens * group + rows * 128)`` rows in all.
+    """
+    group = num_heads // num_kv_heads
+    tile_rows = max(2 * num_sms // num_kv_heads * 128, shape.tokens * group + shape.rows * 128)
+    return num_heads * tile_rows * (head_dim + 1) * 4 + 64   # 64: two aligned allocations
 
 
 def _decode_tensor_cores(group: int, device: torch.device) -> bool:
@@ -102,10 +122,23 @@ def host_lengths(tensor: torch.Tensor) -> HostLengths:
 
 @frozen
 class FlashInferMetadata:
-    """What every layer of one forward needs: the planned wrapper and each token's KV slot."""
+    """What every layer of one forward needs: the planned wrapper and each token's KV slot
+    (and, for a CUDA graph's metadata, the graph's shape)."""
 
     wrapper: Any
-    out_loc: torch.Tensor     # [T] on the device
+    out_loc: torch.Tensor               # [T] on the device
+    graph: GraphShape | None = None
+
+
+@frozen
+class GraphBuffers:
+    """The static layout every graph wrapper plans into (int32, on the device), sliced to
+    each graph's rows: graphs replay one at a time, in stream order, so one set serves all."""
+
+    qo_indptr: torch.Tensor       # [rows + 1] (prefill graphs)
+    indptr: torch.Tensor          # [rows + 1]
+    indices: torch.Tensor         # [pages]
+    last_page_len: torch.Tensor   # [rows]
 
 
 class FlashInferBackend:
@@ -113,8 +146,10 @@ class FlashInferBackend:
 
     Prefill and mixed batches use the paged prefill wrapper (causal, queries aligned to the
     end of each request's KV, so extending a cached prefix needs nothing more); decode
-    batches use the decode wrapper, or a CUDA-graph one per captured batch size whose page
-    layout lives in static device buffers that every graph shares.
+    batches use the decode wrapper. Each CUDA graph gets a wrapper of its own in flashinfer's
+    graph mode (a decode one, or a prefill one planned with the graph's full token count,
+    which flashinfer then holds as the most it may see), whose layout lives in static device
+    buffers (``GraphBuffers``) that every graph shares.
 
     The page table stays on the host: a plan reads each request's pages off it and hands
     flashinfer the layout so that planning never blocks: page indices already on the device
@@ -143,7 +178,8 @@ class FlashInferBackend:
         shape = (pool.num_pages, pool.page_size, self.num_kv_heads, self.head_dim)
         self._pages = [(pool.k[i].view(shape), pool.v[i].view(shape))
                        for i in range(pool.k.shape[0])]
-        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._graph_buffers: GraphBuffers | None = None
+        self._graph_workspace = self.workspace
 
     @classmethod
     def check(cls, device: torch.device, dtype: torch.dtype) -> None:
@@ -161,13 +197,7 @@ class FlashInferBackend:
         if batch.phase == "decode":
             self._plan_decode(self.decode, layout)
             return FlashInferMetadata(self.decode, out_loc)
-        lens = torch.tensor([0, *batch.extend_lens], dtype=torch.int32)
-        qo_indptr = pin(lens.cumsum(0, dtype=torch.int32), self.device)
-        self._plan(self.prefill, lambda: self.prefill.plan(
-            host_lengths(qo_indptr), layout.indptr, layout.indices, layout.last_page_len,
-            self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            causal=True, sm_scale=self.scale, q_data_type=self.dtype,
-            kv_data_type=self.dtype, seq_lens=host_lengths(layout.seq_lens)))
+        self._plan_prefill(self.prefill, np.asarray(batch.extend_lens, np.int64), layout)
         return FlashInferMetadata(self.prefill, out_loc)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -176,41 +206,84 @@ class FlashInferBackend:
         out = meta.wrapper.run(q.contiguous(), self._pages[layer])
         return out.view(q.shape[0], -1)
 
-    def init_graph_state(self, max_batch_size: int) -> None:
-        """The page layout buffers of all graphs: ``indptr``, page ``indices`` (room for
-        every row's whole span plus a page each), ``last_page_len``."""
+    def init_graph_state(self, shapes: Sequence[GraphShape]) -> None:
+        """The layout buffers of all graphs (``GraphBuffers``; page ``indices`` with room for
+        every row's whole span plus a page each, and for a padding request of every token),
+        and the float workspace of the prefill graphs: the shared one, or a larger one where
+        the largest prefill graph needs more (``prefill_graph_workspace_bytes``)."""
         assert self.pad_page is not None, "graphs need a page for their padding rows"
-        max_pages = max_batch_size * (self.page_table.shape[1] // self.page_size + 1)
-        self._graph_buffers = (
-            torch.zeros(max_batch_size + 1, dtype=torch.int32, device=self.device),
+        rows = max(shape.rows for shape in shapes)
+        tokens = max(shape.tokens for shape in shapes)
+        max_pages = (rows * (self.page_table.shape[1] // self.page_size + 1)
+                     + -(-tokens // self.page_size))
+        self._graph_buffers = GraphBuffers(
+            torch.zeros(rows + 1, dtype=torch.int32, device=self.device),
+            torch.zeros(rows + 1, dtype=torch.int32, device=self.device),
             torch.zeros(max_pages, dtype=torch.int32, device=self.device),
-            torch.ones(max_batch_size, dtype=torch.int32, device=self.device))
+            torch.ones(rows, dtype=torch.int32, device=self.device))
+        num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                   if self.device.type == "cuda" else 0)
+        need = max((prefill_graph_workspace_bytes(shape, self.num_heads, self.num_kv_heads,
+                                                  self.head_dim, num_sms)
+                    for shape in shapes if shape.phase == "prefill"), default=0)
+        if need > self.workspace.numel():
+            self._graph_workspace = torch.zeros(need, dtype=torch.uint8, device=self.device)
 
-    def graph_metadata(self, batch_size: int, out_loc: torch.Tensor) -> FlashInferMetadata:
-        """A CUDA-graph decode wrapper of ``batch_size`` on the shared layout buffers."""
-        assert self._graph_buffers is not None, "init_graph_state first"
-        indptr, indices, last_page_len = self._graph_buffers
-        wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True,
-            use_tensor_cores=self.decode_tensor_cores,
-            paged_kv_indptr_buffer=indptr[: batch_size + 1],
-            paged_kv_indices_buffer=indices,
-            paged_kv_last_page_len_buffer=last_page_len[:batch_size])
-        return FlashInferMetadata(wrapper, out_loc)
+    def graph_metadata(self, shape: GraphShape, out_loc: torch.Tensor) -> FlashInferMetadata:
+        """A graph-mode wrapper for ``shape`` (decode, or fa2 prefill like ``plan``'s) on
+        the shared layout buffers."""
+        buffers = self._graph_buffers
+        assert buffers is not None, "init_graph_state first"
+        if shape.phase == "decode":
+            wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True,
+                use_tensor_cores=self.decode_tensor_cores,
+                paged_kv_indptr_buffer=buffers.indptr[: shape.rows + 1],
+                paged_kv_indices_buffer=buffers.indices,
+                paged_kv_last_page_len_buffer=buffers.last_page_len[: shape.rows])
+        else:
+            wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._graph_workspace, "NHD", use_cuda_graph=True,
+                qo_indptr_buf=buffers.qo_indptr[: shape.rows + 1],
+                paged_kv_indptr_buf=buffers.indptr[: shape.rows + 1],
+                paged_kv_indices_buf=buffers.indices,
+                paged_kv_last_page_len_buf=buffers.last_page_len[: shape.rows],
+                backend="fa2")
+        return FlashInferMetadata(wrapper, out_loc, shape)
 
     def prepare_replay(self, meta: FlashInferMetadata, rows: Sequence[int],
-                       ends: Sequence[int]) -> None:
-        """Plan the graph's wrapper (which copies the layout into its buffers) for the
-        batch, padded to the graph's size with rows of one token on the pad page."""
-        assert self.pad_page is not None
-        self._plan_decode(meta.wrapper, self._staged(paged_layout(
-            self.page_table, rows, ends, self.page_size, pad_to=meta.out_loc.shape[0],
-            pad_page=self.pad_page)))
+                       starts: Sequence[int], ends: Sequence[int]) -> None:
+        """Plan the graph's wrapper (which copies the layout into the shared buffers) for
+        the batch, padded to the graph's shape as ``GraphShape`` lays it out."""
+        shape = meta.graph
+        assert shape is not None and self.pad_page is not None
+        spare = shape.rows - len(rows)
+        if shape.phase == "decode":
+            self._plan_decode(meta.wrapper, self._staged(paged_layout(
+                self.page_table, rows, ends, self.page_size, pad_lens=[1] * spare,
+                pad_page=self.pad_page)))
+            return
+        extend = np.subtract(ends, starts, dtype=np.int64)
+        padding = shape.tokens - int(extend.sum())
+        qo_lens = np.concatenate([extend, np.zeros(spare - 1, np.int64), [padding]])
+        self._plan_prefill(meta.wrapper, qo_lens, self._staged(paged_layout(
+            self.page_table, rows, ends, self.page_size,
+            pad_lens=[1] * (spare - 1) + [max(padding, 1)], pad_page=self.pad_page)))
 
     def _staged(self, layout: PagedLayout) -> PagedLayout:
         return PagedLayout(pin(layout.indptr, self.device), upload(layout.indices, self.device),
                            pin(layout.last_page_len, self.device),
                            pin(layout.seq_lens, self.device))
+
+    def _plan_prefill(self, wrapper: Any, qo_lens: np.ndarray, layout: PagedLayout) -> None:
+        qo_indptr = np.zeros(len(qo_lens) + 1, np.int32)
+        np.cumsum(qo_lens, out=qo_indptr[1:])
+        offsets = pin(torch.from_numpy(qo_indptr), self.device)
+        self._plan(wrapper, lambda: wrapper.plan(
+            host_lengths(offsets), layout.indptr, layout.indices, layout.last_page_len,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            causal=True, sm_scale=self.scale, q_data_type=self.dtype,
+            kv_data_type=self.dtype, seq_lens=host_lengths(layout.seq_lens)))
 
     def _plan_decode(self, wrapper: Any, layout: PagedLayout) -> None:
         self._plan(wrapper, lambda: wrapper.plan(

@@ -14,7 +14,7 @@ import torch
 from attrs import define
 from torch.nn import functional as F
 
-from asyncinfer.attention.base import AttentionSpec
+from asyncinfer.attention.base import AttentionSpec, GraphShape
 from asyncinfer.attention.transfer import upload
 from asyncinfer.core import Batch
 from asyncinfer.errors import ConfigError
@@ -102,13 +102,13 @@ class TorchBackend:
         mask = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
         return DecodeGroup(index, pages.flatten(), mask[:, None, None])
 
-    def init_graph_state(self, max_batch_size: int) -> None:
+    def init_graph_state(self, shapes: Sequence[GraphShape]) -> None:
         raise ConfigError(_NOT_CAPTURABLE)
 
-    def graph_metadata(self, batch_size: int, out_loc: torch.Tensor) -> TorchMetadata:
+    def graph_metadata(self, shape: GraphShape, out_loc: torch.Tensor) -> TorchMetadata:
         raise ConfigError(_NOT_CAPTURABLE)
 
-    def prepare_replay(self, meta: TorchMetadata, rows: Sequence[int],
+    def prepare_replay(self, meta: TorchMetadata, rows: Sequence[int], starts: Sequence[int],
                        ends: Sequence[int]) -> None:
         raise ConfigError(_NOT_CAPTURABLE)
 

@@ -1,8 +1,13 @@
 """The model runner: model, KV pool, page table and token pool; runs one Batch at a time.
 
 ``launch(batch)`` builds the batch's indices on the host (the page table lives there, the
-scheduler fills it), has the attention backend plan the batch, runs the model (or replays a
-decode CUDA graph), samples, and writes the sampled ids into the token pool.
+scheduler fills it), has the attention backend plan the batch, runs the model, samples, and
+writes the sampled ids into the token pool. With a capturable backend, a batch that fits a
+captured CUDA graph (``engine.cuda_graph``: decode batches up to ``cuda_graph_max_bs``
+requests, prefill and mixed batches up to ``cuda_graph_max_prefill_tokens`` tokens) replays
+it, padded, instead: one launch for the whole model, where an eager forward launches every
+layer's kernels from Python. Either way the forward ends with the logits of each request's
+last token, and sampling runs eagerly after it.
 
 On CUDA all of it is enqueued at once, on the coordinator's thread, onto one engine stream:
 inputs are uploaded from pinned memory with non-blocking copies, the sampled tokens start a
@@ -10,7 +15,8 @@ non-blocking copy into pinned host memory, and an event is recorded. The returne
 blocks on that event, in the coordinator's waiter thread: that copy is the one host
 synchronisation of a step. Batch N+1 is prepared on the host (scheduling, metadata, plans)
 while the GPU runs batch N, and its uploads queue behind N: N+1 reads tokens N writes, and
-graph input buffers are shared by consecutive replays, so stream order keeps them correct.
+graph input buffers and the backend's graph layout are shared by consecutive replays, so
+stream order keeps them correct.
 
 Off CUDA there is nothing to enqueue onto: the whole forward runs inside the returned call
 (the coordinator makes it in a worker thread).
@@ -32,7 +38,7 @@ from asyncinfer.attention.registry import backend_class
 from asyncinfer.attention.transfer import upload
 from asyncinfer.config import EngineConfig, ModelConfig
 from asyncinfer.core import Batch, ForwardOutput
-from asyncinfer.engine.cuda_graph import DecodeGraphs
+from asyncinfer.engine.cuda_graph import CudaGraphs, Graph
 from asyncinfer.engine.sampler import Sampler
 from asyncinfer.errors import ConfigError
 from asyncinfer.kvcache.pool import KVPool
@@ -51,8 +57,8 @@ class ModelRunner:
     ``page_table[row, pos]`` (on the host) the KV slot of each position; the scheduler fills
     both, the runner reads them. The attention backend is ``config``'s, from the registry.
     A backend that can be captured gets one page beyond the scheduler's (``scratch_page``),
-    which takes the K, V of CUDA-graph padding rows; the token pool's last row
-    (``max_rows``) takes the tokens nobody reads.
+    which takes the K, V of CUDA-graph padding; the token pool's last row (``max_rows``)
+    takes the tokens nobody reads, and its first token is what padding tokens read.
     """
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
@@ -93,23 +99,27 @@ class ModelRunner:
             self.stream = torch.cuda.Stream(self.device)
             # What the set-up queued (the pool's zeros, ...) comes before anything launched.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: CudaGraphs | None = None
         if config.cuda_graph and backend_cls.capturable:
             assert self.scratch_page is not None
-            self.graphs = DecodeGraphs(
-                self.backend, lambda ids, pos, attn: self.logits(self.model(ids, pos, attn)),
-                self.token_pool, min(config.cuda_graph_max_bs or self.max_rows, self.max_rows),
+            # A prefill batch never holds more tokens than a round's budget.
+            self.graphs = CudaGraphs(
+                self.backend, self.forward_logits, self.token_pool,
+                min(config.cuda_graph_max_bs or self.max_rows, self.max_rows),
+                min(config.cuda_graph_max_prefill_tokens, config.max_extend_tokens),
                 pad_index=self.max_rows * self.width, pad_slot=self.scratch_page * page,
                 device=self.device)
             if self.stream is not None:  # nothing is captured off CUDA
                 with torch.cuda.stream(self.stream):
                     self.graphs.capture()
         logger.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB)%s; %s attention, "
-                    "decode graphs %s", self.num_pages, page, self.num_pages * page,
+                    "CUDA graphs: decode %s, prefill %s", self.num_pages, page,
+                    self.num_pages * page,
                     self.num_pages * page * cfg.kv_bytes_per_token(self.kv_dtype) / 2**30,
                     "; float32 kernels for half-precision values" if config.fp32_kernels
                     else "", backend_name,
-                    self.graphs.sizes if self.graphs else "off")
+                    self.graphs.decode_sizes if self.graphs else "off",
+                    (self.graphs.prefill_sizes or "off") if self.graphs else "off")
 
     @property
     def logits_dtype(self) -> torch.dtype:
@@ -120,6 +130,13 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits for ``hidden``, in ``logits_dtype``."""
         return self.model.compute_logits(hidden, upcast=self.logits_dtype == torch.float32)
+
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       attn: AttentionContext, last: torch.Tensor | None) -> torch.Tensor:
+        """The model over these tokens, then the logits of those at ``last`` (of all when
+        None): the forward that eager batches run and graphs capture."""
+        hidden = self.model(input_ids, positions, attn)
+        return self.logits(hidden if last is None else hidden[last])
 
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
         cfg = self.model_config
@@ -191,10 +208,10 @@ class ModelRunner:
     def _enqueue(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the batch on the current stream: its sampled tokens [B] and logits."""
         host = host_inputs(batch, self.width, self.max_rows)
-        bs = self.graphs.pick(batch.size) if (
-            self.graphs is not None and batch.phase == "decode") else None
-        logits = (self._replay(batch, host, bs) if bs is not None
-                  else self._eager(batch, host))
+        graph = None if self.graphs is None else self.graphs.pick(
+            batch.phase, batch.size, len(host.positions))
+        logits = (self._eager(batch, host) if graph is None
+                  else self._replay(batch, host, graph))
         tokens = self.sampler.sample(logits, batch.params, batch.steps)
         self.token_pool.view(-1)[upload(host.write_index, self.device)] = tokens
         return tokens, logits
@@ -206,14 +223,13 @@ class ModelRunner:
         index, positions, out_loc_dev, last = packed.split(
             [len(host.positions)] * 3 + [batch.size])
         attn = AttentionContext(self.backend, self.backend.plan(batch, out_loc_dev))
-        hidden = self.model(self.token_pool.view(-1)[index], positions, attn)
-        return self.logits(hidden[last])
+        return self.forward_logits(self.token_pool.view(-1)[index], positions, attn, last)
 
-    def _replay(self, batch: Batch, host: HostInputs, bs: int) -> torch.Tensor:
+    def _replay(self, batch: Batch, host: HostInputs, graph: Graph) -> torch.Tensor:
         assert self.graphs is not None
         inputs = torch.stack([host.input_index, host.positions,
                               self.page_table.view(-1)[host.input_index]])
-        return self.graphs.run(bs, inputs, batch.rows, batch.ends)
+        return self.graphs.run(graph, batch, inputs, host.last_index)
 
 
 @frozen
