@@ -88,12 +88,12 @@ def shape_model(shape: str, tokenizer: Path, root: Path) -> Path:
 
 
 def metrics(url: str) -> dict[str, float]:
-    """The unlabelled samples of ``/metrics``, by name."""
+    """The samples of ``/metrics``, by name (labels included: ``name{label="value"}``)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
     out = {}
     for line in text.splitlines():
-        match = re.match(r"^(asyncinfer_[a-z_]+) ([0-9.e+-]+)$", line)
+        match = re.match(r"^(asyncinfer_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
         if match:
             out[match.group(1)] = float(match.group(2))
     return out
@@ -220,6 +220,9 @@ def run_rate(url: str, policy: str, rate: str, args: argparse.Namespace, out: Pa
         "wait_ms_per_round": round(1000 * delta("engine_round_wait_seconds_total")
                                    / max(rounds, 1), 3),
         "wait_share": round(delta("engine_round_wait_seconds_total") / wall, 3),
+        # Busy: the batches' spans on the engine stream; the rest of the wall time the
+        # device idled (between batches, and before and after the load).
+        "device_busy_share": round(delta("engine_device_busy_seconds_total") / wall, 3),
         "host_share": round(delta("engine_round_host_seconds_total") / wall, 3),
         "running_mean": round(statistics.fmean(sampler.values), 1) if sampler.values else 0,
         "batches_prefill": int(delta('batches_total{phase="prefill"}')),
@@ -306,11 +309,12 @@ def main() -> int:
                                    sys.argv[1:])}
     if args.offline:
         offline = out / "offline.json"
-        subprocess.run([sys.executable, "-m", "benchmarks.offline", "--workload", "gpu",
-                        "--shape", args.shape or "qwen3-0.6b", "--peers", "", "--json",
-                        str(offline)], check=True)
-        summary["offline_tokens_per_s"] = json.loads(offline.read_text())["tokens_per_s"]
         assert model is not None, "--offline needs --shape"
+        # nano-vllm's workload on the very model the servers serve.
+        subprocess.run([sys.executable, "-m", "benchmarks.offline", "--workload", "gpu",
+                        "--model", model, "--peers", "", "--json", str(offline),
+                        *engine_flags], check=True)
+        summary["offline_tokens_per_s"] = json.loads(offline.read_text())["tokens_per_s"]
         summary["offline_decode_step_ms"] = decode_steps(
             Path(model), [int(b) for b in args.decode_batches.split(",")], engine_flags, 560)
         write_report(str(out / "summary.json"), summary)

@@ -62,6 +62,7 @@ class Stats:
     rounds: int = 12
     round_host_seconds: float = 0.25
     round_wait_seconds: float = 0.75
+    device_busy_seconds: float = 0.5
 
 
 @define(slots=False)
@@ -449,7 +450,8 @@ async def test_metrics_exposes_outcomes_tokens_latencies_and_engine_state(
                  "asyncinfer_prefix_cache_hit_tokens_total 32.0",
                  "asyncinfer_engine_rounds_total 12.0",
                  "asyncinfer_engine_round_host_seconds_total 0.25",
-                 "asyncinfer_engine_round_wait_seconds_total 0.75"):
+                 "asyncinfer_engine_round_wait_seconds_total 0.75",
+                 "asyncinfer_engine_device_busy_seconds_total 0.5"):
         assert line in text
 
 

@@ -87,6 +87,7 @@ class Coordinator:
         self._waited = 0.0                      # seconds awaiting the device, all rounds
         self._rounds = 0
         self._round_s = 0.0                     # seconds in rounds, waits included
+        self._device_s = 0.0                    # seconds the device spent on batches
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-wait")
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()            # set while the loop waits with nothing to do
@@ -227,7 +228,9 @@ class Coordinator:
         batch launched after it) instead, and return False."""
         start = time.perf_counter()
         try:
-            tokens = (await launched.future).next_tokens.tolist()
+            out = await launched.future
+            tokens = out.next_tokens.tolist()
+            self._device_s += out.device_s
         except Exception as exc:
             self._waited += time.perf_counter() - start
             await self._recover(launched, later, exc)
@@ -292,7 +295,8 @@ class Coordinator:
         """Counts for metrics: waiting, running, pages, batches by phase, prefix-cache
         lookups (see scheduler.cache.PrefixCacheStats), and the loop's rounds with the
         seconds they took on the host and awaiting the device (the host's share is what
-        a faster device cannot shorten)."""
+        a faster device cannot shorten), and the seconds the device was busy with batches
+        (CUDA; what is left of the wall time, it idled)."""
         sched = self.scheduler
         total = sched.engine.num_pages
         prefix = sched.cache.stats
@@ -308,4 +312,5 @@ class Coordinator:
                 "prefix_cache_hit_tokens": prefix.hit_tokens,
                 "rounds": self._rounds,
                 "round_host_seconds": self._round_s - self._waited,
-                "round_wait_seconds": self._waited}
+                "round_wait_seconds": self._waited,
+                "device_busy_seconds": self._device_s}

@@ -78,10 +78,13 @@ class Batch:
 class ForwardOutput:
     """Sampled token per request (CPU), and the logits they came from: float32, or the
     model's dtype on the compiled CUDA path (``ModelRunner.logits_dtype``); after a CUDA
-    graph replay, a view of the graph's output that the next replay overwrites."""
+    graph replay, a view of the graph's output that the next replay overwrites.
+    ``device_s``: seconds the device spent on the batch, from the moment its stream reached
+    it to its end (CUDA; 0 where the device is the host)."""
 
     next_tokens: torch.Tensor
     logits: torch.Tensor
+    device_s: float = 0.0
 
 
 @frozen

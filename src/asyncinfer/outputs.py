@@ -78,7 +78,8 @@ class EngineStats:
     The prefix-cache counts run from the start: one query per admitted request, a hit when
     it found at least one token cached, and the prompt tokens queried and found (all 0
     without a prefix cache). So do the engine loop's rounds and the seconds they spent on
-    the host (scheduling, launching, processing, delivering) and awaiting the device.
+    the host (scheduling, launching, processing, delivering) and awaiting the device, and
+    the seconds the device was busy with batches (CUDA only; 0 elsewhere).
     """
 
     waiting: int
@@ -94,6 +95,7 @@ class EngineStats:
     rounds: int = 0
     round_host_seconds: float = 0.0
     round_wait_seconds: float = 0.0
+    device_busy_seconds: float = 0.0
 
 
 class Channel(Protocol):

@@ -264,3 +264,16 @@ def test_triton_race_picks_the_torch_functions_tokens(rows: int) -> None:
     sampled = (inv_temperature != 0).cpu()
     if sampled.any():
         assert (other.cpu() != got.cpu())[sampled].any()
+
+
+def test_the_devices_busy_seconds_are_counted(qwen3_h128_dir: Path) -> None:
+    """Each batch's span on the engine stream adds to ``device_busy_seconds``: more than
+    nothing, and no more than the wall time the rounds took."""
+    import time
+
+    start = time.perf_counter()
+    _, llm = generate(qwen3_h128_dir, [[5, 6, 7, 8] * 16] * 8)
+    wall = time.perf_counter() - start
+    stats = llm.engine.stats()
+    assert 0 < stats.device_busy_seconds < min(wall, stats.round_host_seconds
+                                               + stats.round_wait_seconds)

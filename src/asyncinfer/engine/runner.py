@@ -189,15 +189,19 @@ class ModelRunner:
         if self.stream is None:
             return partial(self._forward_here, batch)
         with torch.cuda.stream(self.stream):
+            # Timed events: the stream reaches ``start`` once the batch before is done, so
+            # their spans add up to the device's busy time without overlap.
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
             tokens, logits = self._enqueue(batch)
             out = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             out.copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
 
         def wait() -> ForwardOutput:
             done.synchronize()
-            return ForwardOutput(out, logits)
+            return ForwardOutput(out, logits, start.elapsed_time(done) / 1000)
 
         return wait
 

@@ -63,7 +63,9 @@ class _EngineCollector(Collector):
              "host: scheduling, launching, processing, delivering",
              stats.round_host_seconds),
             ("engine_round_wait_seconds", "Seconds the engine loop's rounds spent awaiting "
-             "the device", stats.round_wait_seconds))
+             "the device", stats.round_wait_seconds),
+            ("engine_device_busy_seconds", "Seconds the device spent on batches (CUDA; the "
+             "rest of the wall time it idled)", stats.device_busy_seconds))
         for name, doc, value in counters + rounds:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
 
