@@ -6,8 +6,8 @@ For each policy it starts ``asyncinfer serve --policy P`` with the engine flags 
 ``--``, waits for ``/health``, and for each rate runs ``asyncinfer bench serve`` (Poisson
 arrivals, ``inf`` all at once), reading ``/metrics`` before and after: the engine core's
 rounds, their host and device-wait seconds, and the running requests sampled every 0.25 s.
-With ``--profile-rate R`` the core and every front are sampled by py-spy (``--profile-s`` s
-at 200 Hz, idle included) during the run at rate R, and the main thread's samples are
+With ``--profile-rates R,..`` the core and every front are sampled by py-spy (``--profile-s`` s
+at 200 Hz, idle included) during the runs at those rates, and the main thread's samples are
 sorted into what they were doing. With ``--offline`` it first runs the GPU offline workload
 (``benchmarks.offline --workload gpu``) and the decode step at ``--decode-batches`` (median
 round of a decode batch of that many requests, offline), in the same machine and call.
@@ -15,7 +15,7 @@ round of a decode batch of that many requests, offline), in the same machine and
     python -m benchmarks.serve_sweep --out OUT --shape qwen3-0.6b --tokenizer TOK \\
         --rates 40,100,inf --num-requests 400 --input-len-range 100,1024 \\
         --output-len-range 100,512 --slo-ttft-ms 500 --slo-tpot-ms 50 --offline \\
-        --profile-rate 100 -- --device cuda --dtype bfloat16 --max-running-requests 256
+        --profile-rates 40,100 -- --device cuda --dtype bfloat16 --max-running-requests 256
 
 On a CPU without ``--shape`` it serves the embedded model:
 ``python -m benchmarks.serve_sweep --out docs/benchmarks/serve --rates 0.5,1,2
@@ -197,7 +197,6 @@ def run_rate(url: str, policy: str, rate: str, args: argparse.Namespace, out: Pa
     spies = []
     if pids:
         spies = profile(pids, args.profile_s, out)
-        (out / "profiled.json").write_text(json.dumps({"policy": policy, "rate": rate}))
     start = time.monotonic()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     wall = time.monotonic() - start
@@ -287,7 +286,8 @@ def main() -> int:
     parser.add_argument("--shape", help="serve a model of this shape with dummy weights")
     parser.add_argument("--tokenizer", help="the tokenizer files of --shape's model")
     parser.add_argument("--api-workers", type=int, default=1)
-    parser.add_argument("--profile-rate", help="profile the processes during this rate")
+    parser.add_argument("--profile-rates", default="",
+                        help="profile the processes during these rates (comma-separated)")
     parser.add_argument("--profile-policies", default="decode_first,prefill_first")
     parser.add_argument("--profile-s", type=float, default=8.0)
     parser.add_argument("--offline", action="store_true",
@@ -327,11 +327,12 @@ def main() -> int:
         try:
             for rate in args.rates.split(","):
                 pids = None
-                if rate == args.profile_rate and policy in args.profile_policies.split(","):
+                if (rate in args.profile_rates.split(",")
+                        and policy in args.profile_policies.split(",")):
                     kids = children(server.pid)
                     pids = {"core": kids[0], "front0": server.pid}
                     pids.update({f"front{j}": k for j, k in enumerate(kids[1:], 1)})
-                    pids = {f"{policy}-{k}": v for k, v in pids.items()}
+                    pids = {f"{policy}-r{rate}-{k}": v for k, v in pids.items()}
                 result = run_rate(url, policy, rate, args, out, pids)
                 runs.append(result)
                 print(json.dumps({"policy": policy, "rate": rate,
