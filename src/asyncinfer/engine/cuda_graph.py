@@ -187,12 +187,13 @@ class CudaGraphs:
                 graph.logits = logits
         graph.cuda_graph = cuda_graph
 
-    def run(self, graph: Graph, batch: Batch, inputs: torch.Tensor,
-            last: torch.Tensor) -> torch.Tensor:
+    def run(self, graph: Graph, batch: Batch, inputs: torch.Tensor, last: torch.Tensor,
+            computing: Callable[[], None] | None = None) -> torch.Tensor:
         """Replay ``graph`` for ``batch`` (which fits it: ``pick``). ``inputs`` [3, t] (host)
         are the token-pool index, position and KV slot of each of its tokens, ``last`` [n]
         (host) the index of each request's last token among them. Returns the logits
-        [n, vocab] of those last tokens."""
+        [n, vocab] of those last tokens. ``computing`` is called once the inputs are
+        staged, just before the replay."""
         shape, n = graph.shape, batch.size
         padded = self.padding[:, : shape.tokens].clone()
         padded[:3, : inputs.shape[1]] = inputs
@@ -200,6 +201,8 @@ class CudaGraphs:
         self.inputs[:, : shape.tokens].copy_(pin(padded, self.device), non_blocking=True)
         self.backend.prepare_replay(graph.context.meta, batch.rows, batch.starts, batch.ends)
         graph.replays += 1
+        if computing is not None:
+            computing()
         if graph.cuda_graph is None:  # not captured (CPU): the same forward, eagerly
             return self._run_forward(graph)[:n]
         graph.cuda_graph.replay()

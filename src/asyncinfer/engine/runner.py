@@ -189,11 +189,12 @@ class ModelRunner:
         if self.stream is None:
             return partial(self._forward_here, batch)
         with torch.cuda.stream(self.stream):
-            # Timed events: the stream reaches ``start`` once the batch before is done, so
-            # their spans add up to the device's busy time without overlap.
+            # Timed events around the batch's compute (recorded once its inputs are staged):
+            # the stream reaches ``start`` no sooner than the batch before is done, so the
+            # spans add up to the device's busy time without overlap. An eager batch's span
+            # also holds the gaps between its kernels' launches.
             start = torch.cuda.Event(enable_timing=True)
-            start.record(self.stream)
-            tokens, logits = self._enqueue(batch)
+            tokens, logits = self._enqueue(batch, lambda: start.record(self.stream))
             out = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             out.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)
@@ -209,31 +210,37 @@ class ModelRunner:
     def _forward_here(self, batch: Batch) -> ForwardOutput:
         return ForwardOutput(*self._enqueue(batch))
 
-    def _enqueue(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the batch on the current stream: its sampled tokens [B] and logits."""
+    def _enqueue(self, batch: Batch, computing: Callable[[], None] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the batch on the current stream: its sampled tokens [B] and logits.
+        ``computing`` is called once the inputs are staged, before the model runs."""
         host = host_inputs(batch, self.width, self.max_rows)
         graph = None if self.graphs is None else self.graphs.pick(
             batch.phase, batch.size, len(host.positions))
-        logits = (self._eager(batch, host) if graph is None
-                  else self._replay(batch, host, graph))
+        logits = (self._eager(batch, host, computing) if graph is None
+                  else self._replay(batch, host, graph, computing))
         tokens = self.sampler.sample(logits, batch.params, batch.steps)
         self.token_pool.view(-1)[upload(host.write_index, self.device)] = tokens
         return tokens, logits
 
-    def _eager(self, batch: Batch, host: HostInputs) -> torch.Tensor:
+    def _eager(self, batch: Batch, host: HostInputs,
+               computing: Callable[[], None] | None) -> torch.Tensor:
         out_loc = self.page_table.view(-1)[host.input_index]
         packed = upload(torch.cat([host.input_index, host.positions, out_loc,
                                    host.last_index]), self.device)
         index, positions, out_loc_dev, last = packed.split(
             [len(host.positions)] * 3 + [batch.size])
         attn = AttentionContext(self.backend, self.backend.plan(batch, out_loc_dev))
+        if computing is not None:
+            computing()
         return self.forward_logits(self.token_pool.view(-1)[index], positions, attn, last)
 
-    def _replay(self, batch: Batch, host: HostInputs, graph: Graph) -> torch.Tensor:
+    def _replay(self, batch: Batch, host: HostInputs, graph: Graph,
+                computing: Callable[[], None] | None) -> torch.Tensor:
         assert self.graphs is not None
         inputs = torch.stack([host.input_index, host.positions,
                               self.page_table.view(-1)[host.input_index]])
-        return self.graphs.run(graph, batch, inputs, host.last_index)
+        return self.graphs.run(graph, batch, inputs, host.last_index, computing)
 
 
 @frozen
