@@ -204,3 +204,50 @@ async def test_a_core_that_dies_ends_every_request_as_unavailable(
         assert not client.alive
         late = await client.generate([1, 2], greedy(2))
         assert (late.finish_reason, late.error_kind) == ("error", "unavailable")
+
+
+async def test_http_hang_ups_and_the_drain_reach_the_core(smollm2_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """The HTTP app served from an EngineClient: 60 streams, every third hung up after its
+    first chunk, the rest read to [DONE]; then streams still running when the drain's
+    timeout passes end with an "abort" chunk. Each time the core lets go of everything."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from asyncinfer.server import create_app
+    from asyncinfer.server.app import drain
+
+    engine = AsyncEngine(None, dtype="float32", max_running_requests=16, kv_cache_gb=0.25)
+    tokenizer = Tokenizer.from_pretrained(smollm2_dir)
+    async with Served(engine, tmp_path, 1, tokenizer=tokenizer) as served:
+        app = create_app(served.clients[0], served_model_name="m")
+        async with TestClient(TestServer(app)) as http:
+            async def one(i: int) -> str:
+                body = {"prompt": f"Request {i}: count to ten.", "max_tokens": 8,
+                        "stream": True, "ignore_eos": True, "temperature": 1, "seed": i}
+                resp = await http.post("/v1/completions", json=body)
+                assert resp.status == 200
+                if i % 3 == 0:
+                    await resp.content.readline()
+                    resp.close()
+                    return "hung up"
+                return (await resp.text()).rstrip().rsplit("\n", 1)[-1]
+
+            results = await asyncio.gather(*(one(i) for i in range(60)))
+            assert results.count("hung up") == 20
+            assert all(r == "data: [DONE]" for r in results if r != "hung up")
+            await served.idle()
+            assert served.engine.stats().kv_pages_used == 0
+
+            long = {"prompt": "Count: 1, 2,", "max_tokens": 1000, "ignore_eos": True,
+                    "stream": True}
+            streams = [await http.post("/v1/completions", json=long) for _ in range(3)]
+            for stream in streams:
+                await stream.content.readline()
+            assert await drain(app, 0.2) is False
+            for stream in streams:
+                events = [e for e in (await stream.text()).split("\n\n") if e]
+                assert events[-1] == "data: [DONE]"
+                assert '"finish_reason": "abort"' in events[-2]
+            await served.idle()
+            stats = served.engine.stats()
+            assert (stats.running, stats.waiting, stats.kv_pages_used) == (0, 0, 0)
