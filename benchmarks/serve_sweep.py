@@ -104,7 +104,8 @@ class Sampler(threading.Thread):
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
-        self.url, self.values, self.done = url, [], threading.Event()
+        self.url, self.done = url, threading.Event()
+        self.values: list[float] = []
 
     def run(self) -> None:
         while not self.done.wait(0.25):
