@@ -126,17 +126,20 @@ async def test_cancelled_requests_free_their_pages_in_the_core(tiny_llama_dir: P
 
 async def test_abort_all_of_one_front_leaves_the_other_fronts_requests(
         tiny_llama_dir: Path, tmp_path: Path) -> None:
-    async with Served(tiny_engine(tiny_llama_dir), tmp_path, 2) as served:
+    engine = tiny_engine(tiny_llama_dir, max_seq_len=1024, num_pages=2048)
+    async with Served(engine, tmp_path, 2) as served:
         a, b = served.clients
-        long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-        on_a = [asyncio.create_task(a.generate(p, long)) for p in prompts(3)]
-        on_b = [asyncio.create_task(b.generate(p, long)) for p in prompts(3, seed=4)]
-        await asyncio.sleep(0.2)
+        long = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+        on_a = [a.stream(p, long) for p in prompts(3)]
+        on_b = [asyncio.create_task(b.generate(p, greedy(40))) for p in prompts(3, seed=4)]
+        for stream in on_a:             # every request of front a is running
+            await stream.__anext__()
         a.abort_all()
-        ended = await asyncio.gather(*on_a)
-        assert {o.finish_reason for o in ended} == {"abort"}
+        ended = [[d async for d in stream][-1].output for stream in on_a]
+        assert {o.finish_reason for o in ended if o is not None} == {"abort"}
+        assert all(len(o.token_ids) < 900 for o in ended if o is not None)
         finished = await asyncio.gather(*on_b)
-        assert [len(o.token_ids) for o in finished] == [60, 60, 60]
+        assert [len(o.token_ids) for o in finished] == [40, 40, 40]
         await served.idle()
         assert served.engine.stats().kv_pages_used == 0
 
