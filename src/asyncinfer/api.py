@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import gc
 import itertools
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -19,13 +18,12 @@ from asyncinfer.errors import InvalidRequestError
 from asyncinfer.models.source import resolve_model
 from asyncinfer.outputs import (
     Channel,
-    Collector,
     EngineStats,
     Prompt,
     RequestMetrics,
     RequestOutput,
     StreamDelta,
-    collected_output,
+    complete,
     stream_deltas,
 )
 from asyncinfer.params import SamplingParams
@@ -114,39 +112,19 @@ class AsyncEngine:
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None
                        ) -> RequestOutput:
         """Run one request to the end."""
+        coordinator = self._started()
         params = params or SamplingParams()
-        if self._coordinator is not None and not params.stop:
-            return await self._generate_collected(prompt, params, self._coordinator)
-        output = None
-        async for delta in self.stream(prompt, params):
-            output = delta.output
-        assert output is not None
-        return output
-
-    async def _generate_collected(self, prompt: Prompt, params: SamplingParams,
-                                  coordinator: Coordinator) -> RequestOutput:
-        # No stop strings to watch: nothing needs the tokens before the end, so the request
-        # wakes this task once instead of once per token.
         ids = self.encode(prompt)
         uid = next(self._uids)
-        arrival = time.perf_counter()
-        collector = Collector()
-        coordinator.add(uid, ids, params, collector)
-        try:
-            last = await collector.done
-        except asyncio.CancelledError:
-            coordinator.abort(uid)
-            raise
-        return collected_output(uid, prompt, ids, params, self.tokenizer, collector, last,
-                                arrival)
+        return await complete(uid, prompt, ids, params, self.tokenizer,
+                              lambda channel: coordinator.add(uid, ids, params, channel),
+                              lambda: coordinator.abort(uid))
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None
                ) -> AsyncIterator[StreamDelta]:
         """Text deltas of one request as they are produced; the last carries the output.
         A reader that falls behind gets what came meanwhile in one delta."""
-        if self._coordinator is None:
-            raise RuntimeError("the engine is not started: use `async with AsyncEngine(...)`")
-        coordinator = self._coordinator
+        coordinator = self._started()
         params = params or SamplingParams()
         ids = self.encode(prompt)
         uid = next(self._uids)
@@ -159,9 +137,12 @@ class AsyncEngine:
         """Queue a request under a caller-chosen ``uid`` (unique among those open); its
         events go to ``channel``. The entry of fronts that detokenize themselves, such as
         the HTTP front of an engine core in another process."""
+        self._started().add(uid, prompt_ids, params, channel)
+
+    def _started(self) -> Coordinator:
         if self._coordinator is None:
             raise RuntimeError("the engine is not started: use `async with AsyncEngine(...)`")
-        self._coordinator.add(uid, prompt_ids, params, channel)
+        return self._coordinator
 
     def abort(self, uid: int) -> None:
         """Stop a submitted request and free what it holds; it gets no more events."""

@@ -3,10 +3,10 @@
 ``RequestOutput``, ``StreamDelta``, ``RequestMetrics`` and ``EngineStats`` are the public
 results (re-exported by ``asyncinfer.api``). A request's events reach its reader through a
 channel with ``put_nowait(event)``: a :class:`Collector` when only the end matters, a
-:class:`TokenChannel` when the reader streams. :func:`stream_deltas` turns a TokenChannel
-into text deltas, with stop strings; :func:`collected_output` turns a Collector into the
-output. The in-process engine and the front that talks to an engine core in another process
-share them, so both stream and finish requests the same way.
+:class:`TokenChannel` when the reader streams. :func:`stream_deltas` yields a request's text
+deltas, with stop strings; :func:`complete` returns its output. The in-process engine and
+the front that talks to an engine core in another process share them, so both stream and
+finish requests the same way.
 
 Torch-free: the HTTP front imports this without the model's machinery.
 """
@@ -207,10 +207,27 @@ async def stream_deltas(uid: int, prompt: Prompt, ids: list[int], params: Sampli
             abort()
 
 
-def collected_output(uid: int, prompt: Prompt, ids: list[int], params: SamplingParams,
-                     tokenizer: Tokenizer | None, collector: Collector, last: Event,
-                     arrival: float) -> RequestOutput:
-    """The output of a request whose ``collector`` received its ``last`` event."""
+async def complete(uid: int, prompt: Prompt, ids: list[int], params: SamplingParams,
+                   tokenizer: Tokenizer | None, submit: Callable[[Channel], None],
+                   abort: Callable[[], None]) -> RequestOutput:
+    """Run request ``uid`` to the end and return its output. Without stop strings to watch
+    nothing needs the tokens before the end, so the reader is woken once (a Collector)
+    instead of once per token; with them, the stream is read. Cancelling the caller calls
+    ``abort``."""
+    if params.stop:
+        output = None
+        async for delta in stream_deltas(uid, prompt, ids, params, tokenizer, submit, abort):
+            output = delta.output
+        assert output is not None
+        return output
+    arrival = time.perf_counter()
+    collector = Collector()
+    submit(collector)
+    try:
+        last = await collector.done
+    except asyncio.CancelledError:
+        abort()
+        raise
     assert last.finish_reason is not None
     text = ""
     if tokenizer is not None:

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 
 import attrs
@@ -30,12 +29,11 @@ from asyncinfer.ipc import messages as msg
 from asyncinfer.ipc.process import watch_exit
 from asyncinfer.outputs import (
     Channel,
-    Collector,
     EngineStats,
     Prompt,
     RequestOutput,
     StreamDelta,
-    collected_output,
+    complete,
     stream_deltas,
 )
 from asyncinfer.params import SamplingParams
@@ -130,24 +128,11 @@ class EngineClient:
                        ) -> RequestOutput:
         """Run one request to the end (``prompt``: token ids, or text with a tokenizer)."""
         params = params or SamplingParams()
-        if params.stop:  # stop strings are watched as the text streams
-            output = None
-            async for delta in self.stream(prompt, params):
-                output = delta.output
-            assert output is not None
-            return output
         ids = self._encode(prompt)
         uid = next(self._uids)
-        arrival = time.perf_counter()
-        collector = Collector()
-        self._submit(uid, ids, params, collector)
-        try:
-            last = await collector.done
-        except asyncio.CancelledError:
-            self._abort(uid)
-            raise
-        return collected_output(uid, prompt, ids, params, self.tokenizer, collector, last,
-                                arrival)
+        return await complete(uid, prompt, ids, params, self.tokenizer,
+                              lambda channel: self._submit(uid, ids, params, channel),
+                              lambda: self._abort(uid))
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None
                ) -> AsyncIterator[StreamDelta]:
