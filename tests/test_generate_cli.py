@@ -130,7 +130,7 @@ def test_boolean_options_take_both_spellings_and_given_flags_build_a_valid_confi
         "--kv-cache-gb", "1.5", "--num-pages", "100", "--seed", "7", "--cache-type", "naive",
         "--cpu-fp32-compute", "off", "--max-extend-tokens", "256", "--chunked-prefill",
         "--gpu-memory-utilization", "0.8", "--attention-backend", "torch", "--cuda-graph",
-        "--cuda-graph-max-bs", "4", "--cuda-graph-max-prefill-tokens", "512",
+        "--cuda-graph-max-bs", "4", "--cuda-graph-max-prefill-tokens", "512", "--tp", "1",
         "--no-torch-compile", "--freeze-gc", "--policy",
         "decode_first", "--policy-opt", "max_decode_rounds=2", "--overlap"])
     options = engine_options(args)

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from attrs import NOTHING, Attribute, field, frozen
+from attrs import NOTHING, Attribute, evolve, field, frozen
 
 from asyncinfer.errors import ConfigError, UnsupportedModelError
 
@@ -69,6 +69,15 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     hf_config: Any = field(eq=False, repr=False)
+
+    def sharded(self, ranks: int) -> ModelConfig:
+        """The shape one of ``ranks`` tensor-parallel ranks holds: its share of the attention
+        heads, KV heads and MLP width (the vocabulary is split by the model itself)."""
+        if ranks == 1:
+            return self
+        return evolve(self, num_heads=self.num_heads // ranks,
+                      num_kv_heads=self.num_kv_heads // ranks,
+                      intermediate_size=self.intermediate_size // ranks)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -286,6 +295,10 @@ class EngineConfig:
         "auto", choices=AttentionBackend,
         help="flashinfer (CUDA, bf16/fp16), torch (SDPA, the reference) or auto: "
              "flashinfer on CUDA when installed")
+    tensor_parallel_size: int = option(
+        1, check=_positive, flag="--tp",
+        help="ranks one model is split over (each rank's process in torch.distributed's "
+             "default group, set up before the engine)")
     cuda_graph: bool = option(True, help="replay decode as CUDA graphs (flashinfer backend); "
                                          "off: run it eagerly")
     cuda_graph_max_bs: int | None = option(None, check=_positive,

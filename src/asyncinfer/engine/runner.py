@@ -38,6 +38,7 @@ from asyncinfer.attention.registry import backend_class
 from asyncinfer.attention.transfer import upload
 from asyncinfer.config import EngineConfig, ModelConfig
 from asyncinfer.core import Batch, ForwardOutput
+from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.engine.cuda_graph import CudaGraphs, Graph
 from asyncinfer.engine.sampler import Sampler
 from asyncinfer.errors import ConfigError
@@ -69,11 +70,16 @@ class ModelRunner:
         backend_cls = backend_class(backend_name)
         backend_cls.check(self.device, self.dtype)  # before the time that loading takes
         self.model_config = ModelConfig.from_pretrained(model_dir)
+        full = self.model_config
+        # This rank's share of the model (all of it without tensor parallelism).
+        self.tp = TensorParallel.join(config.tensor_parallel_size)
+        self.tp.check(full.num_heads, full.num_kv_heads, full.intermediate_size)
+        self.shard_config = full.sharded(self.tp.size)
         self.context_len = config.context_len(self.model_config)
         self.model = self._load_model(model_dir)
         # With float32 kernels the cache holds half-precision values in float32 (exactly).
         self.kv_dtype = torch.float32 if config.fp32_kernels else self.dtype
-        cfg, page = self.model_config, config.page_size
+        cfg, page = self.shard_config, config.page_size
         self.page_size = page
         extra_pages = 1 if backend_cls.capturable else 0
         self.num_pages = config.num_pages or self._pages_from_budget(extra_pages)
@@ -139,11 +145,11 @@ class ModelRunner:
         return self.logits(hidden if last is None else hidden[last])
 
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
-        cfg = self.model_config
+        cfg = self.shard_config
         rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, self.context_len + 1, self.device)
         # Build on the meta device so no time goes into an initialisation we overwrite.
         with torch.device("meta"):
-            model = build_model(cfg, rotary)
+            model = build_model(cfg, rotary, self.tp)
         model = model.to_empty(device="cpu").requires_grad_(False)
         if self.config.load_format == "dummy":
             init_dummy(model, self.config.seed)
@@ -155,7 +161,7 @@ class ModelRunner:
         return model
 
     def _pages_from_budget(self, extra_pages: int) -> int:
-        per_page = self.model_config.kv_bytes_per_token(self.kv_dtype) * self.page_size
+        per_page = self.shard_config.kv_bytes_per_token(self.kv_dtype) * self.page_size
         if self.config.kv_cache_gb is not None:
             budget = int(self.config.kv_cache_gb * 2**30)
         elif self.device.type == "cuda":

@@ -1,6 +1,10 @@
 """The Llama family (SmolLM2, Llama 3) and Qwen3, written for paged attention.
 
-Qwen3 is Llama plus an RMSNorm over each head of q and k before the rotation.
+Qwen3 is Llama plus an RMSNorm over each head of q and k before the rotation. Split over
+tensor-parallel ranks (see asyncinfer.distributed.parallel), a model is built from its rank's
+shape (``ModelConfig.sharded``): the attention and MLP outputs are summed over the ranks,
+the embedding and LM head hold the rank's vocabulary rows, and ``load_weights`` keeps each
+checkpoint tensor's part for this rank.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from torch.nn import functional as F
 
 from asyncinfer.attention.base import AttentionContext
 from asyncinfer.config import ModelConfig
+from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.kvcache.pool import KVPool
 from asyncinfer.layers.fused import LayerOps
 from asyncinfer.layers.linear import Linear, MergedLinear
@@ -23,9 +28,10 @@ from asyncinfer.layers.rotary import RotaryEmbedding, RotaryTables
 class Attention(nn.Module):
     """Self-attention of one layer; the KV cache lives in the backend, not here."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.tp = layer, tp
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -42,19 +48,20 @@ class Attention(nn.Module):
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
             self.eps, self.heads, self.kv_heads, self.head_dim, *attn.kv_slots(self.layer))
-        return self.o_proj(attn(self.layer, q, k, v))
+        return self.tp.all_reduce(self.o_proj(attn(self.layer, q, k, v)))
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up in one matmul."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(ops.silu_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -65,10 +72,11 @@ class DecoderLayer(nn.Module):
     the stream before that add) and returns the same pair.
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer, qk_norm)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer, qk_norm, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -85,6 +93,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, ops), residual
 
 
+# Row-parallel projections: their weights split by columns, their outputs summed.
+_ROW_PARALLEL = (".o_proj.", ".down_proj.")
+
 # checkpoint name fragment -> (our fused module, part index)
 _STACKED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -93,21 +104,26 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids in a flat batch (all requests' new tokens concatenated) to hidden states."""
+    """Token ids in a flat batch (all requests' new tokens concatenated) to hidden states.
+
+    ``cfg`` is this rank's shape (``ModelConfig.sharded``) under ``tp``."""
 
     qk_norm = False
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.rotary = rotary
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tp = tp or TensorParallel()
+        self.vocab_start, rows = self.tp.vocab_rows(cfg.vocab_size)
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.qk_norm) for i in range(cfg.num_layers))
+            DecoderLayer(cfg, i, self.qk_norm, self.tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied_shadow: torch.Tensor | None = None
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else Linear(cfg.hidden_size, cfg.vocab_size))
+                        else Linear(cfg.hidden_size, rows))
         self.ops = LayerOps()
 
     def compile_layer_ops(self, pool: KVPool, backend: str = "inductor") -> None:
@@ -122,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of every computed token."""
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         rotary = self.rotary.lookup(positions, x.dtype)
         residual: torch.Tensor | None = None
         for layer in self.layers:
@@ -131,9 +147,18 @@ class LlamaForCausalLM(nn.Module):
             return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        # Rows other ranks hold contribute zeros here; the sum over ranks has them all.
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(mine, local, 0)) * mine.unsqueeze(-1)
+        return self.tp.all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Logits over the vocabulary, in float32 (``upcast=False``: in the model's dtype,
-        for a sampler that widens them as it reads them)."""
+        for a sampler that widens them as it reads them); every rank gets all of them."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         elif self.tied_shadow is not None:
@@ -141,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden.float(), self.tied_shadow).to(hidden.dtype)
         else:
             logits = F.linear(hidden, self.embed_tokens.weight)
+        logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float() if upcast else logits
 
     def use_fp32_shadow(self) -> None:
@@ -161,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
+            tensor = self._rank_part(name, tensor)
             for fragment, (fused, part) in _STACKED.items():
                 if f".{fragment}." in name:
                     module_name, _, kind = name.replace(fragment, fused).rpartition(".")
@@ -178,6 +205,23 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in params if n not in loaded and not self._fused_loaded(n, loaded)]
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _rank_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of checkpoint tensor ``name`` this rank holds."""
+        tp = self.tp
+        if tp.size == 1:
+            return tensor
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            rows = self.embed_tokens.num_embeddings
+            return tensor[self.vocab_start : self.vocab_start + rows]
+        if any(part in name for part in _ROW_PARALLEL):
+            if name.endswith(".weight"):
+                return tp.part(tensor, 1)
+            # A bias after the sum: added once, by rank 0.
+            return tensor if tp.rank == 0 else torch.zeros_like(tensor)
+        if any(f".{fragment}." in name for fragment in _STACKED):
+            return tp.part(tensor, 0)
+        return tensor  # norms: every rank holds them whole
 
     def _fused_loaded(self, name: str, loaded: set[str]) -> bool:
         module = self.get_submodule(name.rpartition(".")[0])

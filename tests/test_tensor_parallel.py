@@ -1,0 +1,116 @@
+"""Tensor parallelism on real ranks: one process per rank on gloo, each running the whole
+engine (its own scheduler and policy) over its share of the model. Greedy outputs equal
+one rank's, token for token, in float32."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import random
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncinfer.api import LLM
+from asyncinfer.distributed.parallel import TensorParallel
+from asyncinfer.errors import ConfigError
+from asyncinfer.params import SamplingParams
+
+OPTIONS: dict[str, Any] = {"dtype": "float32", "page_size": 4, "max_running_requests": 8,
+                           "num_pages": 512, "max_seq_len": 256, "max_extend_tokens": 48}
+
+
+def workload(seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 90))] for _ in range(14)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 20), temperature=0.0,
+                             ignore_eos=True) for _ in prompts]
+    return prompts, params
+
+
+def _rank(rank: int, world: int, port: int, model: str, options: dict[str, Any],
+          out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        llm = LLM(model, skip_tokenizer_init=True, tensor_parallel_size=world, **options)
+        prompts, params = workload()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        held = {"heads": llm.runner.shard_config.num_heads,
+                "kv_heads": llm.runner.shard_config.num_kv_heads,
+                "vocab_rows": llm.runner.model.embed_tokens.num_embeddings,
+                "kv_pool_heads": llm.runner.pool.k.shape[-2]}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(
+            {"tokens": [o.token_ids for o in outputs], "held": held}))
+        llm.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(world: int, model: Path, options: dict[str, Any], tmp: Path) -> list[Any]:
+    """Every rank's greedy outputs of the workload."""
+    spawn = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [spawn.Process(target=_rank, args=(r, world, port, str(model), options, str(tmp)))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(300)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    assert [p.exitcode for p in procs] == [0] * world
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize(("model", "policy"), [
+    ("tiny_llama_dir", "prefill_first"), ("tiny_llama_dir", "decode_first"),
+    ("tiny_llama_dir", "skip_ahead"), ("tiny_qwen3_dir", "prefill_first")])
+def test_two_ranks_give_one_ranks_greedy_tokens(model: str, policy: str, tmp_path: Path,
+                                                request: pytest.FixtureRequest) -> None:
+    """Untied (llama) and tied (qwen3) vocabularies, chunked prefill (48-token rounds),
+    every built-in policy: each rank schedules for itself and all agree with one rank."""
+    model_dir = request.getfixturevalue(model)
+    options = {**OPTIONS, "policy": policy}
+    prompts, params = workload()
+    llm = LLM(str(model_dir), skip_tokenizer_init=True, **options)
+    alone = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    ranks = run_ranks(2, model_dir, options, tmp_path)
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] == alone
+    full = llm.runner.shard_config
+    # Each rank really holds half: heads, KV heads (and its KV pool), vocabulary rows.
+    assert ranks[0]["held"] == ranks[1]["held"] == {
+        "heads": full.num_heads // 2, "kv_heads": full.num_kv_heads // 2,
+        "vocab_rows": full.vocab_size // 2, "kv_pool_heads": full.num_kv_heads // 2}
+
+
+def test_a_split_that_does_not_divide_the_heads_is_refused() -> None:
+    with pytest.raises(ConfigError, match="does not divide the model's attention heads"):
+        TensorParallel(0, 3).check(8, 2, 256)
+    with pytest.raises(ConfigError, match="KV heads"):
+        TensorParallel(0, 4).check(8, 2, 256)
+
+
+def test_tensor_parallel_without_a_process_group_is_a_clear_error(tiny_llama_dir: Path
+                                                                  ) -> None:
+    with pytest.raises(ConfigError, match="process group"):
+        LLM(str(tiny_llama_dir), skip_tokenizer_init=True, tensor_parallel_size=2, **OPTIONS)
+
+
+def test_vocabulary_rows_cover_the_vocabulary_once() -> None:
+    for vocab, size in [(512, 2), (49152, 3), (10, 4), (7, 3)]:
+        rows = [TensorParallel(r, size).vocab_rows(vocab) for r in range(size)]
+        covered = [i for start, n in rows for i in range(start, start + n)]
+        assert covered == list(range(vocab))
