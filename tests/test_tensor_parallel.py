@@ -114,3 +114,34 @@ def test_vocabulary_rows_cover_the_vocabulary_once() -> None:
         rows = [TensorParallel(r, size).vocab_rows(vocab) for r in range(size)]
         covered = [i for start, n in rows for i in range(start, start + n)]
         assert covered == list(range(vocab))
+
+
+def test_a_rank_reads_only_its_parts_of_the_checkpoint(tiny_llama_dir: Path) -> None:
+    """Rank 1 of 2 reads half of every split tensor from the file (rows of q/k/v, gate/up
+    and the vocabulary, columns of o/down), zeros for a bias added after the sum, and its
+    model loads from exactly that."""
+    import torch
+
+    from asyncinfer.config import ModelConfig
+    from asyncinfer.layers.rotary import RotaryEmbedding
+    from asyncinfer.models import build_model
+    from asyncinfer.models.weights import iter_safetensors
+
+    full = ModelConfig.from_pretrained(tiny_llama_dir)
+    tp = TensorParallel(1, 2)
+    rotary = RotaryEmbedding(full.hf_config, full.head_dim, 64, torch.device("cpu"))
+    with torch.device("meta"):
+        model = build_model(full.sharded(2), rotary, tp)
+    model = model.to_empty(device="cpu")
+    whole = dict(iter_safetensors(tiny_llama_dir))
+    parts = dict(iter_safetensors(tiny_llama_dir, model.rank_part))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(parts[q], whole[q][whole[q].shape[0] // 2:])
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(parts[down], whole[down][:, whole[down].shape[1] // 2:])
+    assert torch.equal(parts["model.embed_tokens.weight"], whole["model.embed_tokens.weight"][256:])
+    norm = "model.layers.0.input_layernorm.weight"
+    assert torch.equal(parts[norm], whole[norm])
+    model.load_weights(parts.items())
+    o = whole["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(model.layers[0].self_attn.o_proj.weight, o[:, o.shape[1] // 2:])

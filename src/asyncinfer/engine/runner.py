@@ -154,7 +154,7 @@ class ModelRunner:
         if self.config.load_format == "dummy":
             init_dummy(model, self.config.seed)
         else:
-            model.load_weights(iter_safetensors(model_dir))
+            model.load_weights(iter_safetensors(model_dir, model.rank_part))
         model.to(device=self.device, dtype=self.dtype).eval()
         if self.config.fp32_kernels:
             model.use_fp32_shadow()

@@ -3,8 +3,8 @@
 Qwen3 is Llama plus an RMSNorm over each head of q and k before the rotation. Split over
 tensor-parallel ranks (see asyncinfer.distributed.parallel), a model is built from its rank's
 shape (``ModelConfig.sharded``): the attention and MLP outputs are summed over the ranks,
-the embedding and LM head hold the rank's vocabulary rows, and ``load_weights`` keeps each
-checkpoint tensor's part for this rank.
+the embedding and LM head hold the rank's vocabulary rows, and ``rank_part`` says which part
+of each checkpoint tensor this rank reads.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from asyncinfer.layers.fused import LayerOps
 from asyncinfer.layers.linear import Linear, MergedLinear
 from asyncinfer.layers.norm import RMSNorm
 from asyncinfer.layers.rotary import RotaryEmbedding, RotaryTables
+from asyncinfer.models.weights import ZEROS, Part
 
 
 class Attention(nn.Module):
@@ -178,7 +179,8 @@ class LlamaForCausalLM(nn.Module):
             self.tied_shadow = self.embed_tokens.weight.detach().float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (transformers' names) into the fused parameters."""
+        """Copy checkpoint tensors (transformers' names) into the fused parameters; under
+        tensor parallelism, each tensor's part for this rank (``rank_part``)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -187,7 +189,6 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            tensor = self._rank_part(name, tensor)
             for fragment, (fused, part) in _STACKED.items():
                 if f".{fragment}." in name:
                     module_name, _, kind = name.replace(fragment, fused).rpartition(".")
@@ -206,22 +207,26 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
-    def _rank_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The part of checkpoint tensor ``name`` this rank holds."""
+    def rank_part(self, name: str, shape: tuple[int, ...]) -> Part:
+        """The part of checkpoint tensor ``name`` (of ``shape``) this rank holds, for
+        ``iter_safetensors``: rows of the column-parallel projections and the vocabulary,
+        columns of the row-parallel ones; a row-parallel bias is added after the sum, so
+        rank 0 holds it and the others zeros; norms whole."""
         tp = self.tp
+        name = name.removeprefix("model.")
         if tp.size == 1:
-            return tensor
+            return None
         if name in ("embed_tokens.weight", "lm_head.weight"):
-            rows = self.embed_tokens.num_embeddings
-            return tensor[self.vocab_start : self.vocab_start + rows]
-        if any(part in name for part in _ROW_PARALLEL):
+            return (0, self.vocab_start, self.vocab_start + self.embed_tokens.num_embeddings)
+        if any(row in name for row in _ROW_PARALLEL):
             if name.endswith(".weight"):
-                return tp.part(tensor, 1)
-            # A bias after the sum: added once, by rank 0.
-            return tensor if tp.rank == 0 else torch.zeros_like(tensor)
+                per = shape[1] // tp.size
+                return (1, tp.rank * per, (tp.rank + 1) * per)
+            return None if tp.rank == 0 else ZEROS
         if any(f".{fragment}." in name for fragment in _STACKED):
-            return tp.part(tensor, 0)
-        return tensor  # norms: every rank holds them whole
+            per = shape[0] // tp.size
+            return (0, tp.rank * per, (tp.rank + 1) * per)
+        return None
 
     def _fused_loaded(self, name: str, loaded: set[str]) -> bool:
         module = self.get_submodule(name.rpartition(".")[0])

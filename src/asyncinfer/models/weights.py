@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -10,9 +10,18 @@ from torch import nn
 
 from asyncinfer.errors import ModelNotFoundError
 
+# What part of a tensor to read, given its name and full shape: None, all of it; (dim,
+# start, stop), that range along dim; ZEROS, none of it (zeros of the full shape).
+Part = tuple[int, int, int] | None
+ZEROS = (-1, 0, 0)
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every ``*.safetensors`` shard in the directory."""
+
+def iter_safetensors(model_dir: Path,
+                     part: Callable[[str, tuple[int, ...]], Part] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every ``*.safetensors`` shard in the directory; with ``part``, only
+    the part of each it names is read from the file (a tensor-parallel rank reads its own
+    slices, not the whole model)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -22,7 +31,20 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as shard:
             for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, shard.get_tensor(name)
+                if part is None:
+                    yield name, shard.get_tensor(name)
+                    continue
+                lazy = shard.get_slice(name)
+                shape = tuple(lazy.get_shape())
+                wanted = part(name, shape)
+                if wanted is None:
+                    yield name, shard.get_tensor(name)
+                elif wanted == ZEROS:
+                    yield name, torch.zeros(shape, dtype=_dtype(lazy.get_dtype()))
+                else:
+                    dim, start, stop = wanted
+                    index = tuple([slice(None)] * dim + [slice(start, stop)])
+                    yield name, lazy[index]
 
 
 def init_dummy(model: nn.Module, seed: int = 0) -> None:
@@ -35,3 +57,10 @@ def init_dummy(model: nn.Module, seed: int = 0) -> None:
             else:
                 values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
                 param.copy_(values)
+
+
+def _dtype(name: str) -> torch.dtype:
+    """A safetensors dtype name ("F32", "BF16", ...) as a torch dtype."""
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}[name]
