@@ -1,6 +1,7 @@
 """Tensor parallelism on real ranks: one process per rank on gloo, each running the whole
-engine (its own scheduler and policy) over its share of the model. Greedy outputs equal
-one rank's, token for token, in float32."""
+engine (its own scheduler and policy) over its share of the model; rank 0 takes the
+requests and shares them round by round, the others follow. Greedy outputs equal one
+rank's, token for token, in float32."""
 
 from __future__ import annotations
 
@@ -31,15 +32,44 @@ def workload(seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 def _rank(rank: int, world: int, port: int, model: str, options: dict[str, Any],
-          out: str) -> None:
+          out: str, rank_options: dict[int, dict[str, Any]] | None = None) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    options = {**options, **(rank_options or {}).get(rank, {})}
+    online = options.pop("online", False)
     try:
+        if rank > 0:  # a follower: rank 0's requests, round by round
+            import asyncio
+
+            from asyncinfer.api import AsyncEngine
+
+            follower = AsyncEngine(model, skip_tokenizer_init=True,
+                                   tensor_parallel_size=world, **options)
+            try:
+                asyncio.run(follower.follow())
+            except Exception as exc:
+                Path(out, f"rank{rank}.json").write_text(json.dumps({"error": str(exc)}))
+                raise
+            runner = follower.runner
+            Path(out, f"rank{rank}.json").write_text(json.dumps({"held": {
+                "heads": runner.shard_config.num_heads,
+                "kv_heads": runner.shard_config.num_kv_heads,
+                "vocab_rows": runner.model.embed_tokens.num_embeddings,
+                "kv_pool_heads": runner.pool.k.shape[-2]}}))
+            return
+        if online:
+            Path(out, "rank0.json").write_text(json.dumps(_online(model, world, options)))
+            return
         llm = LLM(model, skip_tokenizer_init=True, tensor_parallel_size=world, **options)
         prompts, params = workload()
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        if any(o.error for o in outputs):
+            Path(out, f"rank{rank}.json").write_text(json.dumps(
+                {"errors": [o.error for o in outputs], "alive": llm.engine.alive}))
+            llm.close()
+            return
         held = {"heads": llm.runner.shard_config.num_heads,
                 "kv_heads": llm.runner.shard_config.num_kv_heads,
                 "vocab_rows": llm.runner.model.embed_tokens.num_embeddings,
@@ -51,26 +81,59 @@ def _rank(rank: int, world: int, port: int, model: str, options: dict[str, Any],
         dist.destroy_process_group()
 
 
+def _online(model: str, world: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0 as a server's engine: requests arriving over time, a third of them cancelled
+    mid-run; the tokens of the others, and what the engine holds at the end."""
+    import asyncio
+
+    from asyncinfer.api import AsyncEngine
+
+    async def run() -> dict[str, Any]:
+        prompts, params = workload(seed=1)
+        async with AsyncEngine(model, skip_tokenizer_init=True, tensor_parallel_size=world,
+                               **options) as engine:
+            async def one(i: int) -> list[int] | None:
+                await asyncio.sleep(0.02 * i)
+                task = asyncio.ensure_future(engine.generate(prompts[i], params[i].replace(
+                    max_tokens=60 if i % 3 == 0 else params[i].max_tokens)))
+                if i % 3 == 0:
+                    await asyncio.sleep(0.05)
+                    task.cancel()
+                    return None
+                return (await task).token_ids
+
+            tokens = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            await engine.wait_idle()
+            stats = engine.stats()
+            return {"tokens": tokens, "held": [stats.running, stats.waiting,
+                                               stats.kv_pages_used]}
+
+    return asyncio.run(run())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def run_ranks(world: int, model: Path, options: dict[str, Any], tmp: Path) -> list[Any]:
-    """Every rank's greedy outputs of the workload."""
+def run_ranks(world: int, model: Path, options: dict[str, Any], tmp: Path,
+              rank_options: dict[int, dict[str, Any]] | None = None,
+              exitcodes: list[int] | None = None) -> list[Any]:
+    """Every rank's report of the workload: its greedy outputs (rank 0), what it holds."""
     spawn = multiprocessing.get_context("spawn")
     port = _free_port()
-    procs = [spawn.Process(target=_rank, args=(r, world, port, str(model), options, str(tmp)))
+    procs = [spawn.Process(target=_rank, args=(r, world, port, str(model), options, str(tmp),
+                                               rank_options))
              for r in range(world)]
     for proc in procs:
         proc.start()
     for proc in procs:
-        proc.join(300)
+        proc.join(120)
     for proc in procs:
         if proc.is_alive():
             proc.kill()
-    assert [p.exitcode for p in procs] == [0] * world
+    assert [p.exitcode for p in procs] == (exitcodes or [0] * world)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -88,7 +151,7 @@ def test_two_ranks_give_one_ranks_greedy_tokens(model: str, policy: str, tmp_pat
     alone = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.close()
     ranks = run_ranks(2, model_dir, options, tmp_path)
-    assert ranks[0]["tokens"] == ranks[1]["tokens"] == alone
+    assert ranks[0]["tokens"] == alone
     full = llm.runner.shard_config
     # Each rank really holds half: heads, KV heads (and its KV pool), vocabulary rows.
     assert ranks[0]["held"] == ranks[1]["held"] == {
@@ -145,3 +208,34 @@ def test_a_rank_reads_only_its_parts_of_the_checkpoint(tiny_llama_dir: Path) -> 
     model.load_weights(parts.items())
     o = whole["model.layers.0.self_attn.o_proj.weight"]
     assert torch.equal(model.layers[0].self_attn.o_proj.weight, o[:, o.shape[1] // 2:])
+
+
+def test_a_rank_whose_policy_diverges_stops_every_rank_in_that_round(tiny_llama_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    """Rank 1 runs another policy than rank 0 (which the policy contract forbids): the guard
+    compares the first batches they form, and both ranks stop with an error naming the
+    round and the first difference; rank 0's requests end in that error, not a hang."""
+    ranks = run_ranks(2, tiny_llama_dir, {**OPTIONS, "policy": "prefill_first"}, tmp_path,
+                      rank_options={1: {"policy": "decode_first",
+                                        "policy_options": {"max_decode_rounds": 1}}},
+                      exitcodes=[0, 1])
+    leader, follower = ranks
+    assert "diverged in round" in follower["error"]
+    assert leader["alive"] is False
+    assert all("diverged in round" in (e or "") for e in leader["errors"])
+
+
+def test_requests_arriving_and_cancelled_over_time_reach_every_rank(tiny_llama_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """Rank 0 serves requests that arrive one by one, a third cancelled mid-run; rank 1
+    follows. Whatever the rounds, the finished requests' greedy tokens are one rank's, and
+    nothing is held at the end (the guard compared every batch)."""
+    prompts, params = workload(seed=1)
+    llm = LLM(str(tiny_llama_dir), skip_tokenizer_init=True, **OPTIONS)
+    alone = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    (leader, _) = run_ranks(2, tiny_llama_dir, {**OPTIONS, "online": True}, tmp_path)
+    assert [t for i, t in enumerate(leader["tokens"]) if i % 3] == [
+        t for i, t in enumerate(alone) if i % 3]
+    assert all(t is None for t in leader["tokens"][::3])
+    assert leader["held"] == [0, 0, 0]

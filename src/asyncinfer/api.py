@@ -12,6 +12,7 @@ from typing import Any
 
 from asyncinfer.config import EngineConfig
 from asyncinfer.coordinator import Coordinator, RoundObserver
+from asyncinfer.distributed.sync import RoundSync
 from asyncinfer.engine import create_runner
 from asyncinfer.engine.runner import ModelRunner
 from asyncinfer.errors import InvalidRequestError
@@ -66,6 +67,9 @@ class AsyncEngine:
                else _config_eos_ids(self.runner.model_config.hf_config))
         self.scheduler = Scheduler(self.runner, self.policy, self.config, eos)
         self.overlap = self.config.overlap
+        tp = self.runner.tp
+        # Every rank builds its channel here, in the same order (a collective call).
+        self.sync = RoundSync(tp.rank, tp.size) if tp.size > 1 else None
         self._coordinator: Coordinator | None = None
         self._uids = itertools.count()
         self._froze_gc = self.config.freezes_gc
@@ -79,8 +83,21 @@ class AsyncEngine:
         """Start the coordinator on the running event loop."""
         if self._coordinator is None:
             self._coordinator = Coordinator(self.scheduler, self.runner.launch, self.overlap,
-                                            self.runner.synchronize)
+                                            self.runner.synchronize, self.sync)
             self._coordinator.start()
+
+    async def follow(self) -> None:
+        """Run as a tensor-parallel rank other than 0: apply rank 0's requests and aborts
+        round by round, forming the same batches, until rank 0 stops (or the ranks
+        diverge: then RankDivergedError)."""
+        if self.sync is None or self.sync.leader:
+            raise RuntimeError("follow() is for tensor-parallel ranks other than 0")
+        await self.start()
+        assert self._coordinator is not None and self._coordinator._task is not None
+        try:
+            await self._coordinator._task
+        finally:
+            await self.close()
 
     async def close(self) -> None:
         """Fail what is still running, wait for the batch in flight, stop the loop.

@@ -28,6 +28,7 @@ from typing import Any
 from attrs import define, frozen
 
 from asyncinfer.core import Batch, Event, ForwardOutput
+from asyncinfer.distributed.sync import RankDivergedError, RoundSync
 from asyncinfer.outputs import Channel
 from asyncinfer.params import SamplingParams
 from asyncinfer.scheduler.scheduler import ScheduledBatch, Scheduler
@@ -75,7 +76,8 @@ class Coordinator:
 
     def __init__(self, scheduler: Scheduler,
                  launch: Callable[[Batch], Callable[[], ForwardOutput]],
-                 overlap: bool = True, synchronize: Callable[[], None] | None = None) -> None:
+                 overlap: bool = True, synchronize: Callable[[], None] | None = None,
+                 sync: RoundSync | None = None) -> None:
         self.scheduler = scheduler
         self.launch = launch
         self.synchronize = synchronize or (lambda: None)
@@ -92,6 +94,9 @@ class Coordinator:
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()            # set while the loop waits with nothing to do
         self.observer: RoundObserver | None = None  # called after every round, if set
+        # Tensor parallelism: rank 0 leads (its commands go to every rank), the others
+        # follow, and each round's batch is compared across the ranks.
+        self.sync = sync
 
     # ---- frontend side ---------------------------------------------------------------------
 
@@ -153,33 +158,41 @@ class Coordinator:
     # ---- the loop --------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        why = "the engine loop stopped"
         try:
             await self._loop()
-        except Exception:
+        except Exception as exc:
             logger.exception("the engine loop died")
+            why = f"the engine loop stopped: {exc}"
             raise
         finally:
             # Nothing will answer these any more: end them rather than leave readers hanging.
             for uid in list(self._channels):
-                self._deliver([Event(uid, None, "error", "the engine loop stopped",
-                                     error_kind="engine")])
+                self._deliver([Event(uid, None, "error", why, error_kind="engine")])
             self._idle.set()
 
     async def _loop(self) -> None:
         inflight: _Launched | None = None
         while True:
-            if inflight is None and not self.scheduler.has_work:
-                self._idle.set()
-                command = await self._commands.get()
-                self._idle.clear()
-                if not self._apply(command):
-                    break
-            if not self._drain_commands():
+            commands: list[_Add | _Abort | None] = []
+            if self.sync is None or self.sync.leader:
+                if inflight is None and not self.scheduler.has_work:
+                    self._idle.set()
+                    commands.append(await self._commands.get())
+                    self._idle.clear()
+                while not self._commands.empty():
+                    commands.append(self._commands.get_nowait())
+                commands = self._effective(commands)
+            if self.sync is not None:  # every rank applies rank 0's commands, in its order
+                commands = self.sync.share(commands)
+            if not all(self._apply(command) for command in commands):
                 await self._fail_all("the engine is shutting down")
                 break
             start, waited = time.perf_counter(), self._waited
             try:
                 inflight = await self._round(inflight)
+            except RankDivergedError:
+                raise  # no rank can go on: the loop ends, and so does every request
             except Exception as exc:  # the scheduler failed, not a batch: end everything
                 logger.exception("engine round failed")
                 await self._fail_all(f"engine error: {exc}")
@@ -201,6 +214,12 @@ class Coordinator:
         if self.overlap or inflight is None:
             scheduled = self.scheduler.schedule()
             if scheduled is not None:
+                if self.sync is not None:
+                    b = scheduled.batch
+                    self.sync.check({"phase": scheduled.phase,
+                                     "requests": [r.uid for r in scheduled.reqs],
+                                     "rows": b.rows, "starts": b.starts, "ends": b.ends,
+                                     "sample": b.sample})
                 launched = self._launch(scheduled)
         if inflight is not None and not await self._finish(inflight, launched):
             launched = None  # it read the failed batch's tokens: recovered with it
@@ -256,19 +275,23 @@ class Coordinator:
         self.scheduler.recover(failed.scheduled, later.scheduled if later else None,
                                f"engine error: {exc}")
 
-    def _drain_commands(self) -> bool:
-        while not self._commands.empty():
-            if not self._apply(self._commands.get_nowait()):
-                return False
-        return True
+    def _effective(self, commands: list[_Add | _Abort | None]) -> list[_Add | _Abort | None]:
+        """The commands to apply: an add whose request was aborted while it sat in the
+        queue is dropped."""
+        kept: list[_Add | _Abort | None] = []
+        for command in commands:
+            if isinstance(command, _Add):
+                self._queued_adds -= 1
+                if command.uid not in self._channels:
+                    continue
+            kept.append(command)
+        return kept
 
     def _apply(self, command: _Add | _Abort | None) -> bool:
         if command is None:
             return False
         if isinstance(command, _Add):
-            self._queued_adds -= 1
-            if command.uid in self._channels:  # not aborted while it sat in the queue
-                self.scheduler.add_request(command.uid, command.prompt_ids, command.params)
+            self.scheduler.add_request(command.uid, command.prompt_ids, command.params)
         else:
             self.scheduler.abort(command.uid, notify=command.notify)
         return True
