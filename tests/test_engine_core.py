@@ -21,6 +21,7 @@ from asyncinfer.ipc.core import EngineCore
 from asyncinfer.params import SamplingParams
 from asyncinfer.tokenizer import Tokenizer
 from tests.test_async_engine import greedy, tiny_engine
+from tests.test_server_hostile import storm_with_hang_ups
 
 
 class Served:
@@ -227,20 +228,7 @@ async def test_http_hang_ups_and_the_drain_reach_the_core(smollm2_dir: Path,
     async with Served(engine, tmp_path, 1, tokenizer=tokenizer) as served:
         app = create_app(served.clients[0], served_model_name="m")
         async with TestClient(TestServer(app)) as http:
-            async def one(i: int) -> str:
-                body = {"prompt": f"Request {i}: count to ten.", "max_tokens": 8,
-                        "stream": True, "ignore_eos": True, "temperature": 1, "seed": i}
-                resp = await http.post("/v1/completions", json=body)
-                assert resp.status == 200
-                if i % 3 == 0:
-                    await resp.content.readline()
-                    resp.close()
-                    return "hung up"
-                return (await resp.text()).rstrip().rsplit("\n", 1)[-1]
-
-            results = await asyncio.gather(*(one(i) for i in range(60)))
-            assert results.count("hung up") == 20
-            assert all(r == "data: [DONE]" for r in results if r != "hung up")
+            await storm_with_hang_ups(http, 60, max_tokens=8)
             await served.idle()
             assert served.engine.stats().kv_pages_used == 0
 
