@@ -71,6 +71,25 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_llama_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama (8 heads, 2 KV heads: splits over 2 ranks, which SmolLM2's 9
+    heads do not) with SmolLM2's tokenizer and chat template: text in, text out."""
+    import shutil
+
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
+    path = _save_tiny(config, tmp_path_factory.mktemp("tiny-chat-llama"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 3-layer random Qwen3 (q/k RMSNorm, explicit head_dim) with tied embeddings."""
     from transformers import Qwen3Config

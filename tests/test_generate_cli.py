@@ -131,6 +131,7 @@ def test_boolean_options_take_both_spellings_and_given_flags_build_a_valid_confi
         "--cpu-fp32-compute", "off", "--max-extend-tokens", "256", "--chunked-prefill",
         "--gpu-memory-utilization", "0.8", "--attention-backend", "torch", "--cuda-graph",
         "--cuda-graph-max-bs", "4", "--cuda-graph-max-prefill-tokens", "512", "--tp", "1",
+        "--tp-guard-interval", "4",
         "--no-torch-compile", "--freeze-gc", "--policy",
         "decode_first", "--policy-opt", "max_decode_rounds=2", "--overlap"])
     options = engine_options(args)
@@ -140,7 +141,7 @@ def test_boolean_options_take_both_spellings_and_given_flags_build_a_valid_confi
             config.overlap) == (True, True, False, True, True)
     assert config.policy_options == {"max_decode_rounds": 2}
     assert config.kv_cache_gb == 1.5 and config.num_pages == 100 and config.seed == 7
-    assert config.cuda_graph_max_prefill_tokens == 512
+    assert config.cuda_graph_max_prefill_tokens == 512 and config.tp_guard_interval == 4
     hash(config)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--cache-type", "lru"])

@@ -399,9 +399,10 @@ async def test_a_body_that_arrives_after_the_drain_began_is_refused() -> None:
 # ---- a storm of streams, a third of them hung up --------------------------------------------
 
 
-async def storm_with_hang_ups(client: TestClient, n: int, max_tokens: int) -> None:
-    """``n`` concurrent streams; every third client hangs up after its first chunk, and
-    every other one ends with [DONE]."""
+async def storm_with_hang_ups(client: Any, n: int, max_tokens: int) -> None:
+    """``n`` concurrent streams through ``client`` (whose ``post(path, json=...)`` is
+    aiohttp's); every third client hangs up after its first chunk, and every other one ends
+    with [DONE]."""
     async def one(i: int) -> str:
         body = {"prompt": f"Request {i}: count to ten.", "max_tokens": max_tokens,
                 "stream": True, "ignore_eos": True, "temperature": 1, "seed": i}

@@ -1,5 +1,7 @@
 """A real `asyncinfer serve` process on a loopback port, driven by aiohttp and by the official
-openai client: text and chat completions, streamed and not, equal LLM.generate's outputs."""
+openai client: text and chat completions, streamed and not, equal LLM.generate's outputs;
+a storm of streams with hang-ups leaves nothing held. The suite runs on one rank and on two
+tensor-parallel ranks (`--tp 2`, every batch compared across the ranks)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from asyncinfer.api import LLM
 from asyncinfer.params import SamplingParams
 from tests.conftest import engine_under_test
+from tests.test_server_hostile import storm_with_hang_ups
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = "What is the capital of France?"
@@ -62,20 +66,45 @@ def start_server(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
         time.sleep(0.5)
 
 
+def tensor_parallel(ranks: int) -> tuple[str, ...]:
+    """The flags of a server on ``ranks`` tensor-parallel ranks (skipped where the device
+    has too few), comparing every batch across them."""
+    _, target = engine_under_test()
+    if ranks > 1 and target["device"] != "cpu":
+        import torch
+
+        if torch.cuda.device_count() < ranks:
+            pytest.skip(f"--tp {ranks} needs {ranks} GPUs")
+    return ("--tp", str(ranks), "--tp-guard-interval", "1") if ranks > 1 else ()
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def case(request: pytest.FixtureRequest) -> tuple[Path, tuple[str, ...]]:
+    """The model and flags of a suite's server: the served model on one rank; on two, a
+    small random Llama with SmolLM2's tokenizer (SmolLM2's 9 heads do not split in two)."""
+    if request.param == 1:
+        return request.getfixturevalue("served_model"), ()
+    flags = tensor_parallel(request.param)
+    return request.getfixturevalue("tiny_chat_llama_dir"), flags
+
+
 @pytest.fixture(scope="module")
-def server(served_model: Path) -> Iterator[str]:
-    proc, url = start_server(served_model)
+def server(case: tuple[Path, tuple[str, ...]]) -> Iterator[str]:
+    proc, url = start_server(case[0], *case[1])
+    children = descendants(proc.pid)
     try:
         yield url
     finally:
         proc.terminate()
         assert proc.wait(timeout=60) == 0, "SIGTERM ends the server cleanly"
+        assert none_left(children), "and every process it started"
 
 
 @pytest.fixture(scope="module")
-def expected(served_model: Path) -> dict[str, str]:
+def expected(case: tuple[Path, tuple[str, ...]]) -> dict[str, str]:
+    """One rank's greedy texts of the suite's prompts, by LLM.generate."""
     _, target = engine_under_test()
-    llm = LLM(str(served_model), max_running_requests=4, kv_cache_gb=0.5, **target)
+    llm = LLM(str(case[0]), max_running_requests=4, kv_cache_gb=0.5, **target)
     assert llm.tokenizer is not None
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     # One prompt at a time, as the clients below send them.
@@ -168,6 +197,37 @@ async def test_sigterm_drains_then_ends_what_is_left_and_exits_0(served_model: P
             proc.kill()
 
 
+class _Session:
+    """An aiohttp session posting to ``url``'s paths, as the hostile suite's test client."""
+
+    def __init__(self, session: Any, url: str) -> None:
+        self.session, self.url = session, url
+
+    def post(self, path: str, **kwargs: Any) -> Any:
+        return self.session.post(f"{self.url}{path}", **kwargs)
+
+
+async def test_a_storm_with_hang_ups_leaves_nothing_held(server: str) -> None:
+    """60 concurrent streams, every third client hanging up after its first chunk: the rest
+    end with [DONE], and then the engine (every rank) runs, queues and holds nothing."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        await storm_with_hang_ups(_Session(session, server), 60, max_tokens=8)
+        deadline = time.monotonic() + 30
+        while True:
+            async with session.get(f"{server}/metrics") as response:
+                text = await response.text()
+            held = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                    if line.startswith(("asyncinfer_requests_running ",
+                                        "asyncinfer_requests_waiting ",
+                                        "asyncinfer_kv_pages_used "))}
+            if len(held) == 3 and not any(held.values()):
+                break
+            assert time.monotonic() < deadline, held
+            await asyncio.sleep(0.1)
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (Linux /proc)."""
     try:
@@ -209,16 +269,17 @@ def alive(pid: int) -> bool:
         return False
 
 
-async def test_two_api_workers_serve_and_stop_together(served_model: Path,
+async def test_two_api_workers_serve_and_stop_together(case: tuple[Path, tuple[str, ...]],
                                                        expected: dict[str, str]) -> None:
-    """Two front processes on one port and the engine core: every answer right, and SIGTERM
-    stops all three processes, the server exiting 0."""
+    """Two front processes on one port and the engine core (with its second rank under
+    --tp 2): every answer right, and SIGTERM stops every process, the server exiting 0."""
     import aiohttp
 
-    proc, url = start_server(served_model, "--api-workers", "2")
+    proc, url = start_server(case[0], *case[1], "--api-workers", "2")
     try:
         children = descendants(proc.pid)
-        assert len(spawned(proc.pid)) == 2, "the engine core and the second front"
+        assert len(spawned(proc.pid)) == 2 + bool(case[1]), (
+            "the engine core, the second front, and the core's second rank")
         body = {"model": NAME, "max_tokens": MAX_TOKENS, "temperature": 0.0}
         async with aiohttp.ClientSession() as session:
             async def one(prompt: str) -> str:
@@ -276,6 +337,49 @@ async def test_a_killed_engine_core_gets_503s_within_a_second_and_no_process_lef
         code = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
         assert code != 0
         assert "engine core" in (proc.stderr.read() if proc.stderr else "")
+        assert none_left(children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def test_a_killed_tensor_parallel_rank_stops_every_rank_with_503s(
+        tiny_chat_llama_dir: Path) -> None:
+    """kill -9 of rank 1 of `serve --tp 2` mid-stream: the requests in flight and new ones
+    get 503, the engine core (rank 0) says which rank is gone, the server exits non-zero,
+    and no process is left."""
+    import signal
+
+    import aiohttp
+
+    proc, url = start_server(tiny_chat_llama_dir, *tensor_parallel(2))
+    long = {"prompt": "Count: 1, 2,", "max_tokens": 2000, "ignore_eos": True}
+    try:
+        children = descendants(proc.pid)
+        core = spawned(proc.pid)[0]
+        (rank1,) = [c for c in spawned(core)]
+        async with aiohttp.ClientSession() as session:
+            whole = asyncio.ensure_future(session.post(f"{url}/v1/completions", json=long))
+            stream = await session.post(f"{url}/v1/completions", json={**long, "stream": True})
+            assert stream.status == 200
+            await stream.content.readline()
+            os.kill(rank1, signal.SIGKILL)
+            response = await whole
+            assert response.status == 503
+            error = (await response.json())["error"]
+            assert error["code"] == "engine_unavailable"
+            assert f"rank 1 (pid {rank1}) was killed by SIGKILL" in error["message"]
+            events = [e for e in (await stream.text()).split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][len("data: "):])["error"]["code"] == (
+                "engine_unavailable")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.post(f"{url}/v1/completions", json=long) as late:
+                    assert late.status == 503
+        code = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
+        assert code != 0
+        log = proc.stderr.read() if proc.stderr else ""
+        assert f"tensor-parallel rank 1 (pid {rank1}) was killed by SIGKILL" in log
         assert none_left(children)
     finally:
         if proc.poll() is None:

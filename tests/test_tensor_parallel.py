@@ -18,9 +18,11 @@ from asyncinfer.api import LLM
 from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.errors import ConfigError
 from asyncinfer.params import SamplingParams
+from asyncinfer.processes import has_exited
 
 OPTIONS: dict[str, Any] = {"dtype": "float32", "page_size": 4, "max_running_requests": 8,
-                           "num_pages": 512, "max_seq_len": 256, "max_extend_tokens": 48}
+                           "num_pages": 512, "max_seq_len": 256, "max_extend_tokens": 48,
+                           "tp_guard_interval": 1}
 
 
 def workload(seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -166,10 +168,75 @@ def test_a_split_that_does_not_divide_the_heads_is_refused() -> None:
         TensorParallel(0, 4).check(8, 2, 256)
 
 
-def test_tensor_parallel_without_a_process_group_is_a_clear_error(tiny_llama_dir: Path
-                                                                  ) -> None:
-    with pytest.raises(ConfigError, match="process group"):
-        LLM(str(tiny_llama_dir), skip_tokenizer_init=True, tensor_parallel_size=2, **OPTIONS)
+def test_a_split_that_does_not_fit_is_refused_before_any_rank_starts(tiny_llama_dir: Path
+                                                                      ) -> None:
+    with pytest.raises(ConfigError, match="does not divide the model's attention heads"):
+        LLM(str(tiny_llama_dir), skip_tokenizer_init=True, tensor_parallel_size=3, **OPTIONS)
+    assert not multiprocessing.active_children()
+
+
+def ranks_of(llm: LLM) -> list[int]:
+    ranks = llm.engine._ranks
+    assert ranks is not None
+    return [p.pid for p in ranks.processes]
+
+
+def test_llm_starts_and_stops_its_own_ranks(tiny_llama_dir: Path) -> None:
+    """Without a process group, LLM(tensor_parallel_size=2) starts rank 1 itself: greedy
+    tokens equal one rank's, with a third of the requests aborted by a stop string... and
+    close() leaves no process and no process group."""
+    import torch.distributed as dist
+
+    prompts, params = workload(seed=2)
+    llm = LLM(str(tiny_llama_dir), skip_tokenizer_init=True, **OPTIONS)
+    alone = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    llm = LLM(str(tiny_llama_dir), skip_tokenizer_init=True, tensor_parallel_size=2,
+              **OPTIONS)
+    pids = ranks_of(llm)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == alone
+    assert [o.token_ids for o in llm.generate(prompts[:3], params[:3], use_tqdm=False)
+            ] == alone[:3]
+    llm.close()
+    assert not dist.is_initialized()
+    assert not multiprocessing.active_children()
+    assert all(has_exited(pid) for pid in pids)
+
+
+def test_every_divisor_of_the_embedded_models_heads(smollm2_dir: Path) -> None:
+    """SmolLM2-135M has 9 heads and 3 KV heads: 3 ranks give one rank's greedy tokens in
+    float32 (chunked prefill in the mix)."""
+    options = {**OPTIONS, "max_seq_len": 512, "max_extend_tokens": 64}
+    prompts = [[1, 504, 3458, 282, 4649, 314] * (i + 1) for i in range(4)]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 4
+    llm = LLM(str(smollm2_dir), skip_tokenizer_init=True, **options)
+    alone = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    llm = LLM(str(smollm2_dir), skip_tokenizer_init=True, tensor_parallel_size=3, **options)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == alone
+    assert llm.runner.shard_config.num_heads == 3
+    llm.close()
+
+
+def test_a_killed_rank_ends_every_request_with_its_name(tiny_llama_dir: Path) -> None:
+    """kill -9 of rank 1 while LLM.generate runs: every request ends "unavailable" with a
+    message naming the rank and how it ended, later ones too; nothing is left running."""
+    import os
+    import signal
+    import threading
+
+    llm = LLM(str(tiny_llama_dir), skip_tokenizer_init=True, tensor_parallel_size=2,
+              **OPTIONS)
+    (rank1,) = ranks_of(llm)
+    threading.Timer(0.5, os.kill, (rank1, signal.SIGKILL)).start()
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    outputs = llm.generate([[5, 6, 7]] * 4, long, use_tqdm=False)
+    outputs += llm.generate([[5, 6, 7]], long, use_tqdm=False)
+    why = f"tensor-parallel rank 1 (pid {rank1}) was killed by SIGKILL; rank 0 stops"
+    assert [(o.finish_reason, o.error_kind, o.error) for o in outputs] == [
+        ("error", "unavailable", why)] * 5
+    llm.close()
+    assert not multiprocessing.active_children()
 
 
 def test_vocabulary_rows_cover_the_vocabulary_once() -> None:

@@ -7,15 +7,22 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import logging
+import pickle
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
-from asyncinfer.config import EngineConfig
+import attrs
+
+from asyncinfer.config import EngineConfig, ModelConfig
 from asyncinfer.coordinator import Coordinator, RoundObserver
+from asyncinfer.distributed.launch import STOP_TIMEOUT, Ranks, backend_for
+from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.distributed.sync import RoundSync
 from asyncinfer.engine import create_runner
 from asyncinfer.engine.runner import ModelRunner
-from asyncinfer.errors import InvalidRequestError
+from asyncinfer.errors import ConfigError, InvalidRequestError
 from asyncinfer.models.source import resolve_model
 from asyncinfer.outputs import (
     Channel,
@@ -30,8 +37,11 @@ from asyncinfer.outputs import (
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import Policy
 from asyncinfer.policies.registry import load_policy
+from asyncinfer.processes import new_event_loop
 from asyncinfer.scheduler.scheduler import Scheduler
 from asyncinfer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LLM", "AsyncEngine", "EngineStats", "RequestMetrics", "RequestOutput",
            "SamplingParams", "StreamDelta"]
@@ -61,7 +71,15 @@ class AsyncEngine:
         self.policy = instance or load_policy(self.config.policy, self.config.policy_options)
         # Without a tokenizer prompts must be token ids and outputs carry no text.
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(model_dir)
-        self.runner = create_runner(self.config, model_dir)
+        # Tensor parallelism without a process group: this process is rank 0 and starts
+        # the others, which load their parts of the model while this one loads its own.
+        self._ranks = (_launch_ranks(self.config, model_dir, instance)
+                       if _needs_ranks(self.config) else None)
+        try:
+            self.runner = create_runner(self.config, model_dir)
+        except BaseException:
+            self._stop_ranks(failed=True)
+            raise
         self.context_len = self.runner.context_len
         eos = (self.tokenizer.eos_token_ids if self.tokenizer is not None
                else _config_eos_ids(self.runner.model_config.hf_config))
@@ -69,7 +87,9 @@ class AsyncEngine:
         self.overlap = self.config.overlap
         tp = self.runner.tp
         # Every rank builds its channel here, in the same order (a collective call).
-        self.sync = RoundSync(tp.rank, tp.size) if tp.size > 1 else None
+        self.sync = (RoundSync(tp.rank, tp.size, check_every=self.config.tp_guard_interval,
+                               describe=self._ranks.describe if self._ranks else None)
+                     if tp.size > 1 else None)
         self._coordinator: Coordinator | None = None
         self._uids = itertools.count()
         self._froze_gc = self.config.freezes_gc
@@ -104,12 +124,32 @@ class AsyncEngine:
 
         An engine that froze the heap (``freeze_gc``) unfreezes it, all of it: the runner
         sits in reference cycles, and frozen, its KV pool could never be collected."""
+        failed = False
         if self._coordinator is not None:
+            failed = self._coordinator.failed
             await self._coordinator.stop()
             self._coordinator = None
+        elif self.sync is not None and self.sync.leader and not self.sync.closing:
+            # Never started: the other ranks wait for this one's first round; it is a stop.
+            self.sync.closing = True
+            with contextlib.suppress(Exception):
+                self.sync.share([None])
+        self._stop_ranks(failed)
         if self._froze_gc:
             gc.unfreeze()
             self._froze_gc = False
+
+    def _stop_ranks(self, failed: bool) -> None:
+        """Wait for the ranks this engine started to exit (they were told to stop; after a
+        failure, give them a moment to see it) and leave the process group."""
+        ranks, self._ranks = self._ranks, None
+        if ranks is None:
+            return
+        ranks.stop(timeout=5.0 if failed else STOP_TIMEOUT)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -178,6 +218,13 @@ class AsyncEngine:
         """True while the engine's loop runs: started, not closed, and not dead of an error
         (then every request gets an "error" output and new ones do too)."""
         return self._coordinator is not None and self._coordinator.alive
+
+    async def wait_stopped(self) -> None:
+        """Return once the engine's loop has ended: closed, or dead of an error (see
+        ``alive``)."""
+        task = self._coordinator._task if self._coordinator is not None else None
+        if task is not None:
+            await asyncio.wait([task])
 
     async def wait_idle(self) -> None:
         """Wait until the engine has applied every message and has nothing to run."""
@@ -273,6 +320,45 @@ class LLM:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _needs_ranks(config: EngineConfig) -> bool:
+    """Whether this engine must start its other tensor-parallel ranks itself: it has some,
+    and no process group (a launcher such as torchrun's) put them in place already."""
+    if config.tensor_parallel_size == 1:
+        return False
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _launch_ranks(config: EngineConfig, model_dir: Path, policy: Policy | None) -> Ranks:
+    """Start ranks 1..N-1 of ``config``'s engine (this process becomes rank 0), once the
+    split is known to fit the model."""
+    model = ModelConfig.from_pretrained(model_dir)
+    TensorParallel(0, config.tensor_parallel_size).check(
+        model.num_heads, model.num_kv_heads, model.intermediate_size)
+    options = attrs.asdict(config, recurse=False)
+    options["policy_options"] = dict(config.policy_options)
+    if policy is not None:  # an instance, not a registered name: each rank gets a copy
+        try:
+            options["policy"] = pickle.loads(pickle.dumps(policy))
+        except Exception as exc:
+            raise ConfigError(f"the policy {policy.name!r} must be picklable to run on "
+                              f"{config.tensor_parallel_size} tensor-parallel ranks: {exc}"
+                              ) from exc
+        del options["policy_options"]
+    return Ranks.launch(config.tensor_parallel_size, backend_for(config.device), _follow,
+                        (options,))
+
+
+def _follow(rank: int, options: dict[str, Any]) -> None:
+    """A started rank's work: its engine (the same options, this rank's part of the model)
+    following rank 0 until told to stop."""
+    model = options.pop("model")
+    engine = AsyncEngine(model, skip_tokenizer_init=True, **options)
+    logger.info("rank %d ready", rank)
+    new_event_loop().run_until_complete(engine.follow())
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -297,8 +297,12 @@ class EngineConfig:
              "flashinfer on CUDA when installed")
     tensor_parallel_size: int = option(
         1, check=_positive, flag="--tp",
-        help="ranks one model is split over (each rank's process in torch.distributed's "
-             "default group, set up before the engine)")
+        help="ranks one model is split over, one process each (started by the engine, "
+             "or joined from torch.distributed's default group when one is set up)")
+    tp_guard_interval: int = option(
+        16, check=_not_negative,
+        help="compare the tensor-parallel ranks' batches every this many rounds (1: every "
+             "round, 0: never)")
     cuda_graph: bool = option(True, help="replay decode as CUDA graphs (flashinfer backend); "
                                          "off: run it eagerly")
     cuda_graph_max_bs: int | None = option(None, check=_positive,

@@ -23,14 +23,16 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 from attrs import define, frozen
 
-from asyncinfer.core import Batch, Event, ForwardOutput
-from asyncinfer.distributed.sync import RankDivergedError, RoundSync
+from asyncinfer.core import Batch, ErrorKind, Event, ForwardOutput
+from asyncinfer.distributed.sync import RankError, RankLostError, RoundSync
 from asyncinfer.outputs import Channel
 from asyncinfer.params import SamplingParams
+from asyncinfer.processes import watch_exit
 from asyncinfer.scheduler.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -95,8 +97,14 @@ class Coordinator:
         self._idle = asyncio.Event()            # set while the loop waits with nothing to do
         self.observer: RoundObserver | None = None  # called after every round, if set
         # Tensor parallelism: rank 0 leads (its commands go to every rank), the others
-        # follow, and each round's batch is compared across the ranks.
+        # follow, and each round's batch is compared across the ranks. The exchanges run in
+        # a thread of their own: the loop stays free to notice a rank that is gone.
         self.sync = sync
+        self._sync_thread = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-sync")
+                             if sync is not None else None)
+        self._sampled: list[int] = []           # the tokens of the last batch processed
+        self._lost: RankError | None = None   # why the loop was ended from outside
+        self._unwatch: list[Callable[[], None]] = []
 
     # ---- frontend side ---------------------------------------------------------------------
 
@@ -105,8 +113,13 @@ class Coordinator:
         """Queue a request; its events go to ``channel`` in order, the last one finished.
         ``uid`` must not be in use."""
         if self._task is not None and self._task.done():  # the loop died: nobody would answer
-            channel.put_nowait(Event(uid, None, "error", "the engine is not running",
-                                     error_kind="engine"))
+            died = None if self._task.cancelled() else self._task.exception()
+            if isinstance(died, RankLostError):
+                channel.put_nowait(Event(uid, None, "error", str(died),
+                                         error_kind="unavailable"))
+            else:
+                channel.put_nowait(Event(uid, None, "error", "the engine is not running",
+                                         error_kind="engine"))
             return
         self._channels[uid] = channel
         self._commands.put_nowait(_Add(uid, prompt_ids, params))
@@ -128,6 +141,12 @@ class Coordinator:
             self._commands.put_nowait(_Abort(uid, notify=False))
 
     @property
+    def failed(self) -> bool:
+        """The loop ended of an error (a tensor-parallel rank gone, ranks out of step)."""
+        return self._task is not None and self._task.done() and (
+            self._task.cancelled() or self._task.exception() is not None)
+
+    @property
     def alive(self) -> bool:
         """The loop is started and has not ended (stopped, or died of an error)."""
         return self._task is not None and not self._task.done()
@@ -136,16 +155,35 @@ class Coordinator:
         """Start the loop task on the running event loop."""
         assert self._task is None, "already started"
         self._task = asyncio.get_running_loop().create_task(self._run(), name="asyncinfer")
+        if self.sync is not None and self.sync.leader:
+            for rank, pid in self.sync.pids.items():
+                self._unwatch.append(watch_exit(pid, partial(self._rank_gone, rank)))
+
+    def _rank_gone(self, rank: int) -> None:
+        """Another rank's process exited: end the loop (it may be waiting in a collective
+        that needs that rank) and every request with the reason."""
+        assert self.sync is not None
+        if self.sync.closing or self._task is None or self._task.done():
+            return
+        gone = self.sync.lost() or f"rank {rank} exited"
+        self._lost = RankLostError(f"tensor-parallel {gone}; rank {self.sync.rank} stops")
+        logger.error("%s", self._lost)
+        self._task.cancel()
 
     async def stop(self) -> None:
         """Cancel every request, let the batch in flight finish, end the loop."""
         if self._task is None:
             return
         self._commands.put_nowait(None)
-        with contextlib.suppress(Exception):  # a loop that died was logged when it did
+        with contextlib.suppress(Exception, asyncio.CancelledError):  # logged when it died
             await self._task
         self._task = None
-        self._executor.shutdown(wait=True)
+        for unwatch in self._unwatch:
+            unwatch()
+        # A thread waiting in a collective with a rank that is gone may never return.
+        self._executor.shutdown(wait=self._lost is None)
+        if self._sync_thread is not None:
+            self._sync_thread.shutdown(wait=self._lost is None)
 
     async def wait_idle(self) -> None:
         """Return once every command is applied and nothing runs or waits (or the loop died)."""
@@ -158,17 +196,28 @@ class Coordinator:
     # ---- the loop --------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        why = "the engine loop stopped"
+        why, kind = "the engine loop stopped", cast(ErrorKind, "engine")
         try:
             await self._loop()
+        except asyncio.CancelledError:
+            if self._lost is None:
+                raise
+            why, kind = str(self._lost), "unavailable"
+            raise self._lost from None
+        except RankLostError as exc:
+            logger.error("%s", exc)
+            why, kind = str(exc), "unavailable"
+            raise
         except Exception as exc:
             logger.exception("the engine loop died")
             why = f"the engine loop stopped: {exc}"
             raise
         finally:
+            if self.sync is not None and kind == "unavailable":
+                self.sync.closing = True  # this rank stops: the others' exits are expected
             # Nothing will answer these any more: end them rather than leave readers hanging.
             for uid in list(self._channels):
-                self._deliver([Event(uid, None, "error", why, error_kind="engine")])
+                self._deliver([Event(uid, None, "error", why, error_kind=kind)])
             self._idle.set()
 
     async def _loop(self) -> None:
@@ -184,15 +233,17 @@ class Coordinator:
                     commands.append(self._commands.get_nowait())
                 commands = self._effective(commands)
             if self.sync is not None:  # every rank applies rank 0's commands, in its order
-                commands = self.sync.share(commands)
+                commands = await self._in_sync_thread(self.sync.share, commands)
+                if None in commands:
+                    self.sync.closing = True
             if not all(self._apply(command) for command in commands):
                 await self._fail_all("the engine is shutting down")
                 break
             start, waited = time.perf_counter(), self._waited
             try:
                 inflight = await self._round(inflight)
-            except RankDivergedError:
-                raise  # no rank can go on: the loop ends, and so does every request
+            except RankError:
+                raise  # ranks out of step or gone: no rank can go on, the loop ends
             except Exception as exc:  # the scheduler failed, not a batch: end everything
                 logger.exception("engine round failed")
                 await self._fail_all(f"engine error: {exc}")
@@ -215,11 +266,8 @@ class Coordinator:
             scheduled = self.scheduler.schedule()
             if scheduled is not None:
                 if self.sync is not None:
-                    b = scheduled.batch
-                    self.sync.check({"phase": scheduled.phase,
-                                     "requests": [r.uid for r in scheduled.reqs],
-                                     "rows": b.rows, "starts": b.starts, "ends": b.ends,
-                                     "sample": b.sample})
+                    await self._in_sync_thread(self.sync.check,
+                                               partial(self._digest_fields, scheduled))
                 launched = self._launch(scheduled)
         if inflight is not None and not await self._finish(inflight, launched):
             launched = None  # it read the failed batch's tokens: recovered with it
@@ -240,7 +288,10 @@ class Coordinator:
             failed: asyncio.Future[ForwardOutput] = loop.create_future()
             failed.set_exception(exc)
             return _Launched(scheduled, failed)
-        return _Launched(scheduled, loop.run_in_executor(self._executor, wait))
+        future = loop.run_in_executor(self._executor, wait)
+        # A loop ended from outside never awaits it: its error is not news then.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return _Launched(scheduled, future)
 
     async def _finish(self, launched: _Launched, later: _Launched | None) -> bool:
         """Await a batch and process its tokens; if it failed, recover it and ``later`` (the
@@ -252,11 +303,31 @@ class Coordinator:
             self._device_s += out.device_s
         except Exception as exc:
             self._waited += time.perf_counter() - start
+            if self.sync is not None:  # the other ranks ran theirs: no retrying it alone
+                raise await self._in_sync_thread(self.sync.failure, exc) from exc
             await self._recover(launched, later, exc)
             return False
         self._waited += time.perf_counter() - start
+        if self.sync is not None:
+            self._sampled = tokens
         self.scheduler.process(launched.scheduled, tokens)
         return True
+
+    def _digest_fields(self, scheduled: ScheduledBatch) -> dict[str, Any]:
+        """What the ranks compare of a batch: its requests in order, their rows, positions
+        and KV slots (ranks with the same requests on different pages would each attend to
+        what the other wrote), what it samples, and the tokens the previous batch sampled."""
+        b = scheduled.batch
+        table = self.scheduler.engine.page_table
+        return {"phase": scheduled.phase, "requests": [r.uid for r in scheduled.reqs],
+                "rows": b.rows, "starts": b.starts, "ends": b.ends, "sample": b.sample,
+                "slots": [table[row, s:e].tolist() for row, s, e in zip(b.rows, b.starts,
+                                                                       b.ends)],
+                "tokens sampled before": self._sampled}
+
+    async def _in_sync_thread(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` in the thread of the ranks' exchanges, off the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._sync_thread, call, *args)
 
     async def _recover(self, failed: _Launched, later: _Launched | None,
                        exc: Exception) -> None:

@@ -1,34 +1,71 @@
 """What keeps the ranks' engines in step: each round, rank 0 shares what arrived (new
 requests, aborts, a stop) and every rank applies the same list; then every rank forms its
-batch itself, and a digest of it is compared across the ranks.
+batch itself, and a digest of it (with the tokens the previous batch sampled) is compared
+across the ranks.
 
 Both travel on a gloo group of their own, apart from the model's collectives (which the
-device's forward runs, possibly in another thread at the same time).
+device's forward runs, possibly in another thread at the same time). That group waits as
+long as it takes: the other ranks wait in it for as long as rank 0 has nothing to do.
+
+A collective fails at once when a rank's process is gone (its connections close); the
+error then names that rank, found through the pids the ranks exchanged at start.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from asyncinfer.errors import EngineError
+from asyncinfer.processes import has_exited
+
+# How long the sync group's collectives wait: the followers wait in one while rank 0 idles.
+IDLE_TIMEOUT = timedelta(days=365)
 
 
-class RankDivergedError(EngineError):
+class RankError(EngineError):
+    """The tensor-parallel ranks cannot go on together: every rank's loop ends."""
+
+
+class RankDivergedError(RankError):
     """Two ranks formed different batches: their all-reduces would add up different
     requests. Every rank stops."""
 
 
-class RoundSync:
-    """The per-round channel of ``size`` ranks; this process is ``rank``."""
+class RankLostError(RankError):
+    """A tensor-parallel rank's process is gone: no rank can compute without it, so every
+    rank stops, and the requests end as "unavailable" (HTTP 503)."""
 
-    def __init__(self, rank: int, size: int, group: Any = None, check_every: int = 1) -> None:
+
+class RoundSync:
+    """The per-round channel of ``size`` ranks; this process is ``rank``. ``describe``
+    (rank 0, which started the others) names a rank that is gone with its exit status."""
+
+    def __init__(self, rank: int, size: int, group: Any = None, check_every: int = 1,
+                 describe: Any = None) -> None:
         import torch.distributed as dist
 
         self.rank, self.size, self.check_every = rank, size, check_every
-        self.group = group if group is not None else dist.new_group(backend="gloo")
+        self.group = group if group is not None else dist.new_group(backend="gloo",
+                                                                    timeout=IDLE_TIMEOUT)
+        self.describe = describe
         self.rounds = 0
+        self.closing = False  # set once the ranks are told to stop: exits are expected
+        where: list[Any] = [None] * size
+        dist.all_gather_object(where, (socket.gethostname(), os.getpid()), group=self.group)
+        # The processes of the ranks on this host (pids elsewhere mean nothing here).
+        host = socket.gethostname()
+        self.pids: dict[int, int] = {r: pid for r, (h, pid) in enumerate(where)
+                                     if h == host and r != rank}
+        from asyncinfer.distributed.launch import watch_peers
+
+        watch_peers(self)
 
     @property
     def leader(self) -> bool:
@@ -39,28 +76,59 @@ class RoundSync:
         import torch.distributed as dist
 
         box: list[Any] = [items if self.leader else None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except RuntimeError as exc:
+            raise self.failure(exc) from exc
         return list(box[0])
 
-    def check(self, batch: dict[str, Any]) -> None:
-        """Compare this round's batch (its fields by name, picklable) across the ranks,
-        every ``check_every`` rounds; raise RankDivergedError naming the round and the
-        first field that differs."""
+    def check(self, fields: Callable[[], dict[str, Any]]) -> None:
+        """Compare this round's batch (``fields()``: its fields by name, picklable) across
+        the ranks, every ``check_every`` rounds (0: never); raise RankDivergedError naming
+        the round and the first field that differs."""
         import torch.distributed as dist
 
         self.rounds += 1
         if self.check_every <= 0 or self.rounds % self.check_every:
             return
+        batch = fields()
         digest = hashlib.blake2b(pickle.dumps(batch), digest_size=8).hexdigest()
         digests: list[Any] = [None] * self.size
-        dist.all_gather_object(digests, digest, group=self.group)
-        if len(set(digests)) == 1:
-            return
-        batches: list[Any] = [None] * self.size
-        dist.all_gather_object(batches, batch, group=self.group)
+        try:
+            dist.all_gather_object(digests, digest, group=self.group)
+            if len(set(digests)) == 1:
+                return
+            batches: list[Any] = [None] * self.size
+            dist.all_gather_object(batches, batch, group=self.group)
+        except RuntimeError as exc:
+            raise self.failure(exc) from exc
         first = next(r for r in range(self.size) if batches[r] != batches[0])
         field = next(k for k in batches[0] if batches[0][k] != batches[first].get(k))
         raise RankDivergedError(
             f"tensor-parallel ranks diverged in round {self.rounds}: rank {first}'s batch "
             f"differs from rank 0's in {field}: {batches[0][field]!r} on rank 0, "
             f"{batches[first].get(field)!r} on rank {first}")
+
+    def lost(self, wait: float = 0.0) -> str | None:
+        """The first other rank whose process has exited, in words, waiting up to ``wait``
+        seconds for one to (a collective can fail a moment before the exit is seen)."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, pid in self.pids.items():
+                if has_exited(pid):
+                    described = self.describe(rank) if self.describe else None
+                    return described or f"rank {rank} (pid {pid}) exited"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def failure(self, exc: BaseException) -> RankError:
+        """The error every rank stops with after ``exc`` broke a collective or a batch:
+        RankLostError naming the rank that is gone, if one is, else a RankError naming
+        this rank (its batch cannot be retried alone: the others ran theirs)."""
+        if isinstance(exc, RankError):
+            return exc
+        gone = self.lost(wait=1.0)
+        if gone:
+            return RankLostError(f"tensor-parallel {gone}; rank {self.rank} stops")
+        return RankError(f"tensor-parallel rank {self.rank}'s batch failed: {exc}")

@@ -51,6 +51,24 @@ from asyncinfer.models.weights import init_dummy, iter_safetensors
 logger = logging.getLogger(__name__)
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in MiB or, from 1 GiB, GiB."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of tensor-parallel rank ``rank`` of a model placed on ``device``: the
+    same CPU, or the ``rank``-th CUDA device from the one named."""
+    base = torch.device(device)
+    if base.type != "cuda" or rank == 0:
+        return base
+    index = (base.index or 0) + rank
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"tensor-parallel rank {rank} needs CUDA device {index}; this "
+                          f"machine has {torch.cuda.device_count()}")
+    return torch.device("cuda", index)
+
+
 class ModelRunner:
     """Owns the device-side state of a model and runs forwards over it.
 
@@ -64,15 +82,18 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.config = config
-        self.device = torch.device(config.device)
+        # This rank's share of the model (all of it without tensor parallelism), on its
+        # own device: rank r of a model on cuda:i runs on cuda:i+r.
+        self.tp = TensorParallel.join(config.tensor_parallel_size)
+        self.device = rank_device(config.device, self.tp.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype
         backend_name = config.resolved_attention_backend
         backend_cls = backend_class(backend_name)
         backend_cls.check(self.device, self.dtype)  # before the time that loading takes
         self.model_config = ModelConfig.from_pretrained(model_dir)
         full = self.model_config
-        # This rank's share of the model (all of it without tensor parallelism).
-        self.tp = TensorParallel.join(config.tensor_parallel_size)
         self.tp.check(full.num_heads, full.num_kv_heads, full.intermediate_size)
         self.shard_config = full.sharded(self.tp.size)
         self.context_len = config.context_len(self.model_config)
@@ -118,10 +139,13 @@ class ModelRunner:
             if self.stream is not None:  # nothing is captured off CUDA
                 with torch.cuda.stream(self.stream):
                     self.graphs.capture()
-        logger.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB)%s; %s attention, "
-                    "CUDA graphs: decode %s, prefill %s", self.num_pages, page,
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("%sweights %s; KV cache: %d pages of %d tokens (%d tokens, %s)"
+                    "%s; %s attention, CUDA graphs: decode %s, prefill %s",
+                    f"rank {self.tp.rank} of {self.tp.size} on {self.device}: "
+                    if self.tp.size > 1 else "", _size(weights), self.num_pages, page,
                     self.num_pages * page,
-                    self.num_pages * page * cfg.kv_bytes_per_token(self.kv_dtype) / 2**30,
+                    _size(self.num_pages * page * cfg.kv_bytes_per_token(self.kv_dtype)),
                     "; float32 kernels for half-precision values" if config.fp32_kernels
                     else "", backend_name,
                     self.graphs.decode_sizes if self.graphs else "off",

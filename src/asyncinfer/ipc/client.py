@@ -26,7 +26,6 @@ import zmq.asyncio
 
 from asyncinfer.core import Event
 from asyncinfer.ipc import messages as msg
-from asyncinfer.ipc.process import watch_exit
 from asyncinfer.outputs import (
     Channel,
     EngineStats,
@@ -37,6 +36,7 @@ from asyncinfer.outputs import (
     stream_deltas,
 )
 from asyncinfer.params import SamplingParams
+from asyncinfer.processes import watch_exit
 from asyncinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ import zmq.asyncio
 
 from asyncinfer.core import Event
 from asyncinfer.ipc import messages as msg
-from asyncinfer.ipc.process import new_event_loop, watch_exit
 from asyncinfer.outputs import EngineStats
+from asyncinfer.processes import new_event_loop, watch_exit
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class EngineCore:
         self._sent_stats: list[EngineStats | None] = [None] * fronts
         self._flush_pending = False
         self._stop = asyncio.Event()
+        self.failed = False
 
     def stop(self) -> None:
         """Ask :meth:`run` to end (from a signal handler or a watcher)."""
@@ -100,9 +101,18 @@ class EngineCore:
         await self.engine.start()
         tasks = [asyncio.create_task(self._receive(), name="asyncinfer-core-in"),
                  asyncio.create_task(self._report(), name="asyncinfer-core-stats")]
+        stopped = asyncio.create_task(self._stop.wait())
+        ended = asyncio.create_task(self.engine.wait_stopped())
         try:
-            await self._stop.wait()
+            await asyncio.wait([stopped, ended], return_when=asyncio.FIRST_COMPLETED)
+            if ended.done() and not self._stop.is_set():
+                # Its loop died (a tensor-parallel rank gone): the requests ended with the
+                # reason, which goes out below; a core that cannot serve exits.
+                logger.error("the engine stopped; the engine core exits")
+                self.failed = True
         finally:
+            for task in (stopped, ended):
+                task.cancel()
             for task in tasks:
                 task.cancel()
             for task in tasks:
@@ -222,3 +232,5 @@ async def _serve(engine: Any, addresses: msg.Addresses, fronts: int, ready: Conn
         await core.run()
     finally:
         unwatch()
+    if core.failed:
+        raise SystemExit(1)

@@ -33,8 +33,8 @@ from aiohttp import web
 
 from asyncinfer.errors import ConfigError, EngineError
 from asyncinfer.ipc.messages import Addresses, CoreInfo
-from asyncinfer.ipc.process import describe_exit, new_event_loop, watch_exit
 from asyncinfer.options import engine_options
+from asyncinfer.processes import describe_exit, new_event_loop, watch_exit
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess

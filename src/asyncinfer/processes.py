@@ -74,3 +74,25 @@ def describe_exit(code: int | None) -> str:
             return f"was killed by {signal.Signals(-code).name}"
         return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def has_exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a child not yet reaped counts as exited)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except (AttributeError, OSError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+    try:
+        import select
+
+        return bool(select.select([fd], [], [], 0)[0])
+    finally:
+        os.close(fd)

@@ -1,0 +1,182 @@
+"""Starting the ranks of a tensor-parallel engine from its rank-0 process.
+
+An engine asked for ``size`` ranks in a process that has no torch.distributed group yet
+starts the other ranks itself: ``size - 1`` spawned processes, each joining a group on a
+free local port (NCCL on CUDA, gloo on CPU) and running ``entry(rank, *args)``, which builds
+its own engine and follows rank 0. This process becomes rank 0 once they have all joined.
+
+The ranks ignore SIGINT (rank 0's process decides what a Ctrl-C stops), and stop when rank 0
+stops them, when a collective fails because another rank is gone, or at once if rank 0's
+process exits first: no rank outlives the process that started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from asyncinfer.errors import EngineError
+
+if TYPE_CHECKING:
+    from asyncinfer.distributed.sync import RoundSync
+from asyncinfer.processes import describe_exit, has_exited
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT = 300.0   # seconds for every rank to join the group
+STOP_TIMEOUT = 30.0     # seconds a rank gets to stop once told to, before it is killed
+
+
+def backend_for(device: str) -> str:
+    """The collectives' backend for a device string: NCCL on CUDA, gloo elsewhere."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+class Ranks:
+    """The processes of ranks 1..size-1, started by :meth:`launch` from rank 0."""
+
+    def __init__(self, processes: list[Any]) -> None:
+        self.processes = processes
+
+    @classmethod
+    def launch(cls, size: int, backend: str, entry: Callable[..., None],
+               args: tuple[Any, ...]) -> Ranks:
+        """Start ranks 1..size-1 running ``entry(rank, *args)`` and join the group with
+        them as rank 0; a rank that exits before the group is formed is an EngineError
+        naming it."""
+        import torch.distributed as dist
+
+        port = _free_port()
+        spawn = multiprocessing.get_context("spawn")
+        processes = [spawn.Process(target=_rank_main, name=f"asyncinfer-tp{rank}", daemon=True,
+                                   args=(rank, size, port, backend, os.getpid(), entry, args))
+                     for rank in range(1, size)]
+        ranks = cls(processes)
+        for process in processes:
+            process.start()
+        failure: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
+                                        rank=0, world_size=size)
+            except BaseException as exc:
+                failure.append(exc)
+
+        # Joining blocks until every rank has; a rank that dies first would leave it
+        # waiting, so it joins in a thread while the ranks are watched.
+        joining = threading.Thread(target=join, name="asyncinfer-tp-join", daemon=True)
+        joining.start()
+        deadline = time.monotonic() + START_TIMEOUT
+        try:
+            while joining.is_alive():
+                joining.join(0.1)
+                gone = ranks.lost()
+                if gone:
+                    raise EngineError(f"tensor-parallel {gone} while the ranks started")
+                if time.monotonic() > deadline:
+                    raise EngineError(f"the tensor-parallel ranks did not start within "
+                                      f"{START_TIMEOUT:g} s")
+            if failure:
+                raise EngineError(f"the tensor-parallel ranks could not form a group: "
+                                  f"{failure[0]}")
+        except BaseException:
+            ranks.stop(timeout=0.0)
+            raise
+        return ranks
+
+    def lost(self) -> str | None:
+        """The first rank whose process has exited, in words ("rank 1 (pid 42) was killed
+        by SIGKILL"); None while all run."""
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode is not None:
+                return self.describe(rank)
+        return None
+
+    def describe(self, rank: int) -> str | None:
+        """Rank ``rank``'s exit in words, once its process has exited."""
+        process = self.processes[rank - 1]
+        process.join(0.5)  # reap it: its exit status says how it ended
+        if process.exitcode is None:
+            return None
+        return f"rank {rank} (pid {process.pid}) {describe_exit(process.exitcode)}"
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Wait up to ``timeout`` seconds for the ranks to exit (rank 0 has told them to
+        stop), then terminate and kill those that have not."""
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                logger.warning("tensor-parallel %s (pid %d) did not stop; terminating it",
+                               process.name, process.pid)
+                process.terminate()
+                process.join(5.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_launched_rank: int | None = None  # set in a process this module started
+
+
+def watch_peers(sync: RoundSync) -> None:
+    """In a rank this module started: end the process, with the reason logged, as soon as
+    another rank's process exits while the ranks are not stopping (the collective this rank
+    may be waiting in would otherwise wait for a rank that is gone, under NCCL for good)."""
+    if _launched_rank is None:
+        return
+
+    def watch() -> None:
+        while not sync.closing:
+            gone = sync.lost()
+            if gone and not sync.closing:
+                logger.error("tensor-parallel %s; rank %d stops", gone, sync.rank)
+                os._exit(1)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True, name="asyncinfer-tp-peers").start()
+
+
+def _rank_main(rank: int, size: int, port: int, backend: str, leader: int,
+               entry: Callable[..., None], args: tuple[Any, ...]) -> None:
+    """A rank's process: join the group, run ``entry``; exit 1 with the reason logged if it
+    fails. A watcher ends the process if rank 0's process exits without telling it."""
+    global _launched_rank
+    _launched_rank = rank
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s [tp{rank}] %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_leader, args=(rank, leader), daemon=True,
+                     name="asyncinfer-tp-leader").start()
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    try:
+        entry(rank, *args)
+    except Exception as exc:
+        logger.error("tensor-parallel rank %d stops: %s", rank, exc)
+        os._exit(1)  # a collective of another thread may still wait: do not join it
+    dist.destroy_process_group()
+
+
+def _watch_leader(rank: int, leader: int) -> None:
+    while not has_exited(leader):
+        time.sleep(0.5)
+    logger.error("tensor-parallel rank 0 (pid %d) exited; rank %d stops", leader, rank)
+    os._exit(1)
