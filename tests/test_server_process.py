@@ -344,7 +344,7 @@ async def test_a_killed_engine_core_gets_503s_within_a_second_and_no_process_lef
 
 
 async def test_a_killed_tensor_parallel_rank_stops_every_rank_with_503s(
-        tiny_chat_llama_dir: Path) -> None:
+        request: pytest.FixtureRequest) -> None:
     """kill -9 of rank 1 of `serve --tp 2` mid-stream: the requests in flight and new ones
     get 503, the engine core (rank 0) says which rank is gone, the server exits non-zero,
     and no process is left."""
@@ -352,7 +352,8 @@ async def test_a_killed_tensor_parallel_rank_stops_every_rank_with_503s(
 
     import aiohttp
 
-    proc, url = start_server(tiny_chat_llama_dir, *tensor_parallel(2))
+    flags = tensor_parallel(2)
+    proc, url = start_server(request.getfixturevalue("tiny_chat_llama_dir"), *flags)
     long = {"prompt": "Count: 1, 2,", "max_tokens": 2000, "ignore_eos": True}
     try:
         children = descendants(proc.pid)
