@@ -86,7 +86,7 @@ class ModelRunner:
         # own device: rank r of a model on cuda:i runs on cuda:i+r.
         self.tp = TensorParallel.join(config.tensor_parallel_size)
         self.device = rank_device(config.device, self.tp.rank)
-        if self.device.type == "cuda":
+        if self.device.index is not None and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype
         backend_name = config.resolved_attention_backend
