@@ -85,7 +85,16 @@ def case(request: pytest.FixtureRequest) -> tuple[Path, tuple[str, ...]]:
     if request.param == 1:
         return request.getfixturevalue("served_model"), ()
     flags = tensor_parallel(request.param)
-    return request.getfixturevalue("tiny_chat_llama_dir"), flags
+    return two_rank_model(request), flags
+
+
+def two_rank_model(request: pytest.FixtureRequest) -> Path:
+    """A model whose heads split in two: the one under test if one is given (the GPU run's
+    random chat model), else a small random Llama with SmolLM2's tokenizer."""
+    model, _ = engine_under_test()
+    if model is not None:
+        return Path(model)
+    return Path(request.getfixturevalue("tiny_chat_llama_dir"))
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +362,7 @@ async def test_a_killed_tensor_parallel_rank_stops_every_rank_with_503s(
     import aiohttp
 
     flags = tensor_parallel(2)
-    proc, url = start_server(request.getfixturevalue("tiny_chat_llama_dir"), *flags)
+    proc, url = start_server(two_rank_model(request), *flags)
     long = {"prompt": "Count: 1, 2,", "max_tokens": 2000, "ignore_eos": True}
     try:
         children = descendants(proc.pid)
