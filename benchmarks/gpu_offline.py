@@ -19,26 +19,8 @@ from typing import Any
 
 import torch
 
+from asyncinfer.bench.offline import shape_dir
 from asyncinfer.coordinator import Round
-
-# Qwen3-0.6B's config.json, shape only (the benchmark runs dummy weights).
-QWEN3_0_6B: dict[str, Any] = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
-    "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
-    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
-}
-SHAPES = {"qwen3-0.6b": QWEN3_0_6B}
-
-
-def shape_dir(name: str, root: Path) -> Path:
-    """A model directory holding only the config.json of a known shape."""
-    path = root / name
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
-    return path
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:

@@ -20,27 +20,9 @@ from typing import Any
 
 import torch
 
+from asyncinfer.bench.offline import SHAPES, run_offline
 from benchmarks.util import git_commit, write_report
 from benchmarks.workloads import cpu_offline
-
-
-def run_asyncinfer(model: str | None, prompts: list[list[int]], max_tokens: list[int],
-                   options: dict[str, Any]) -> dict[str, Any]:
-    """Our LLM.generate over the whole workload, after a short warm-up."""
-    from asyncinfer.api import LLM
-    from asyncinfer.params import SamplingParams
-
-    llm = LLM(model, **options)
-    llm.generate([p[:16] for p in prompts[:4]],
-                 SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outputs)
-    return {"engine": "asyncinfer", "tokens": tokens, "seconds": round(seconds, 2),
-            "tokens_per_s": round(tokens / seconds, 1), "options": options,
-            "policy": llm.policy.name}
 
 
 def run_transformers_static(model_dir: Path, prompts: list[list[int]], max_tokens: list[int],
@@ -95,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
                                **engine_options(args)}
     model_dir = resolve_model(options.pop("model", None))
     config = EngineConfig(**options)  # the options in full, checked before any model loads
-    results = [run_asyncinfer(str(model_dir), prompts, max_tokens, options)]
+    results = [run_offline(str(model_dir), options, prompts, max_tokens, 0.0)]
     print(json.dumps(results[-1]), flush=True)
     if "transformers" in args.peers:
         results.append(run_transformers_static(model_dir, prompts, max_tokens,
@@ -125,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Offline tokens/s on the CPU offline workload, or nano-vllm's "
                     "with --workload gpu, beside transformers and vLLM.")
     parser.add_argument("--workload", choices=["cpu", "gpu"], default="cpu")
-    parser.add_argument("--shape", choices=["qwen3-0.6b"], default=None,
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                          help="gpu workload: a model of this shape with dummy weights")
     parser.add_argument("--temperature", type=float, default=None,
                          help="default: 0 (greedy) on cpu, 0.6 on gpu as nano-vllm's bench")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from asyncinfer.bench.offline import SHAPES
 from benchmarks.util import git_commit, write_report
 
 # name -> (rows, starts, ends): rows 0 .. n-1 of the page table
@@ -71,9 +72,9 @@ def time_runner(runner: Any, repeats: int) -> dict[str, dict[str, Any]]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from asyncinfer.bench.offline import shape_dir
     from asyncinfer.config import EngineConfig
     from asyncinfer.engine.runner import ModelRunner
-    from benchmarks.gpu_offline import shape_dir
 
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     """This benchmark's command line."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.prefill_host",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=["qwen3-0.6b"], default="qwen3-0.6b",
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b",
                         help="a model of this shape with dummy weights (default)")
     parser.add_argument("--model", default=None, help="a local model directory instead")
     parser.add_argument("--max-prefill-tokens", type=int, default=2048,

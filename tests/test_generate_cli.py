@@ -104,7 +104,8 @@ def _subparser(*path: str) -> typing.Any:
 
 
 @pytest.mark.parametrize("command, left_out", [
-    (("serve",), set()), (("benchmarks", "offline"), set()), (("benchmarks", "decode"), set()),
+    (("serve",), set()), (("bench", "offline"), set()), (("benchmarks", "offline"), set()),
+    (("benchmarks", "decode"), set()),
     (("generate",), {"seed", "policy", "policy_options"}),
 ])
 def test_commands_take_the_engine_options_from_the_config(

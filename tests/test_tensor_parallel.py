@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import random
 import socket
 from pathlib import Path
@@ -220,11 +221,12 @@ def test_every_divisor_of_the_embedded_models_heads(smollm2_dir: Path) -> None:
 
 def test_a_killed_rank_ends_every_request_with_its_name(tiny_llama_dir: Path) -> None:
     """kill -9 of rank 1 while LLM.generate runs: every request ends "unavailable" with a
-    message naming the rank and how it ended, later ones too; nothing is left running."""
-    import os
+    message naming the rank and how it ended, later ones too; nothing is left running and
+    no shared memory behind."""
     import signal
     import threading
 
+    shared_memory = set(os.listdir("/dev/shm"))
     llm = LLM(str(tiny_llama_dir), skip_tokenizer_init=True, tensor_parallel_size=2,
               **OPTIONS)
     (rank1,) = ranks_of(llm)
@@ -237,6 +239,7 @@ def test_a_killed_rank_ends_every_request_with_its_name(tiny_llama_dir: Path) ->
         ("error", "unavailable", why)] * 5
     llm.close()
     assert not multiprocessing.active_children()
+    assert set(os.listdir("/dev/shm")) <= shared_memory
 
 
 def test_vocabulary_rows_cover_the_vocabulary_once() -> None:

@@ -89,11 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     policies = sub.add_parser("policies", help="list the installed scheduling policies")
     policies.set_defaults(func=_policies)
 
-    bench = sub.add_parser("bench", help="load a running server (the benchmark drivers live "
-                                         "in the repository's benchmarks/)")
+    bench = sub.add_parser("bench", help="tokens/s offline, or load a running server (the "
+                                         "comparisons with peers live in the repository's "
+                                         "benchmarks/)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from asyncinfer.bench.offline import add_parser as add_bench_offline_parser
     from asyncinfer.bench.serve import add_parser as add_bench_serve_parser
 
+    add_bench_offline_parser(bench_sub)
     add_bench_serve_parser(bench_sub)
     return parser
 

@@ -25,6 +25,7 @@ Off CUDA there is nothing to enqueue onto: the whole forward runs inside the ret
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -88,6 +89,11 @@ class ModelRunner:
         self.device = rank_device(config.device, self.tp.rank)
         if self.device.index is not None and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if self.device.type == "cpu" and self.tp.size > 1:
+            # The ranks share the machine's cores: each takes its share, not all of them.
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+                os.cpu_count() or 1)
+            torch.set_num_threads(max(1, cores // self.tp.size))
         self.dtype = config.torch_dtype
         backend_name = config.resolved_attention_backend
         backend_cls = backend_class(backend_name)

@@ -1,0 +1,149 @@
+"""``asyncinfer bench offline``: tokens per second of ``LLM.generate`` over a fixed workload.
+
+Two workloads, drawn the same way on every run: ``cpu`` (64 prompts of 32..512 random ids,
+32..256 tokens each, greedy) and ``gpu`` (nano-vllm's bench: 256 prompts of 100..1024 ids,
+100..1024 tokens each, temperature 0.6). EOS never ends a request early, so every run
+generates the same number of tokens. ``--shape`` runs a known model shape with dummy
+weights, for a model that is not on the machine. Engine options (``--tp``, ``--policy``,
+``--device`` ...) are the engine's flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# Model shapes (their config.json, shape only) for runs with dummy weights.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+        "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+        "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
+        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"},
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+        "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"},
+}
+
+# Per workload: (requests, prompt lengths, output lengths), temperature, engine defaults.
+WORKLOADS: dict[str, tuple[tuple[int, tuple[int, int], tuple[int, int]], float,
+                           dict[str, Any]]] = {
+    "cpu": ((64, (32, 512), (32, 256)), 0.0,
+            {"max_running_requests": 64, "max_seq_len": 2048}),
+    "gpu": ((256, (100, 1024), (100, 1024)), 0.6,
+            {"device": "cuda", "max_running_requests": 256, "max_seq_len": 2048,
+             "max_extend_tokens": 16384}),
+}
+
+
+def shape_dir(name: str, root: Path) -> Path:
+    """A model directory holding only the config.json of a known shape."""
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    return path
+
+
+def workload(name: str) -> tuple[list[list[int]], list[int]]:
+    """The prompts (token ids) and max_tokens of a workload, the same on every run
+    (``random.seed(0)``'s draws, as nano-vllm's bench makes them)."""
+    (n, prompt_len, output_len), _, _ = WORKLOADS[name]
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(*prompt_len))]
+               for _ in range(n)]
+    return prompts, [rng.randint(*output_len) for _ in range(n)]
+
+
+def run_offline(model: str, options: dict[str, Any], prompts: list[list[int]],
+                max_tokens: list[int], temperature: float) -> dict[str, Any]:
+    """Start an LLM, warm it up on a few short requests, then time one ``generate`` over
+    the whole workload: tokens, seconds, tokens/s and the start-up's seconds."""
+    from asyncinfer.api import LLM
+    from asyncinfer.params import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model, skip_tokenizer_init=True, **options)
+    startup = time.perf_counter() - start
+    try:
+        llm.generate([p[:64] for p in prompts[:4]],
+                     SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True),
+                     use_tqdm=False)
+        params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
+                  for n in max_tokens]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        failed = [o.error for o in outputs if o.error]
+        if failed:
+            raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
+        tokens = sum(len(o.token_ids) for o in outputs)
+        return {"engine": "asyncinfer", "tokens": tokens, "seconds": round(seconds, 3),
+                "tokens_per_s": round(tokens / seconds, 1), "startup_s": round(startup, 1),
+                "tensor_parallel_size": llm.config.tensor_parallel_size,
+                "options": options, "policy": llm.policy.name}
+    finally:
+        llm.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    """``asyncinfer bench offline``."""
+    from asyncinfer.config import EngineConfig
+    from asyncinfer.models.source import resolve_model
+    from asyncinfer.options import engine_options
+
+    _, default_temperature, defaults = WORKLOADS[args.workload]
+    options: dict[str, Any] = {**defaults, **engine_options(args)}
+    model = options.pop("model", None)
+    if args.shape:
+        options.setdefault("load_format", "dummy")
+        model_dir = shape_dir(args.shape, Path(tempfile.mkdtemp()))
+    else:
+        model_dir = resolve_model(model)
+    config = EngineConfig(**options)  # every option checked before the model loads
+    prompts, max_tokens = workload(args.workload)
+    temperature = default_temperature if args.temperature is None else args.temperature
+    result = run_offline(str(model_dir), options, prompts, max_tokens, temperature)
+    report = {"benchmark": f"offline-{args.workload}", "model": model_dir.name,
+              "weights": config.load_format, "dtype": config.dtype, "device": config.device,
+              "requests": len(prompts), "temperature": temperature, **result}
+    print(f"asyncinfer bench offline: {result['tokens']} tokens in {result['seconds']:.2f} s "
+          f"= {result['tokens_per_s']:,.1f} tok/s ({model_dir.name}, {config.device}, "
+          f"tp {config.tensor_parallel_size}; start-up {result['startup_s']:.1f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``offline`` under ``asyncinfer bench``."""
+    from asyncinfer.options import add_engine_arguments
+
+    parser = bench_subparsers.add_parser(
+        "offline", help="tokens/s of LLM.generate over a fixed workload",
+        description=(__doc__ or "").split("\n\n")[1])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cpu",
+                        help="cpu: 64 requests, greedy; gpu: nano-vllm's 256, temperature 0.6")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="run a model of this shape with dummy weights (no --model)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="default: the workload's (0 on cpu, 0.6 on gpu)")
+    parser.add_argument("--json", default=None, help="also write the result to this file")
+    add_engine_arguments(parser, title="engine options", defaults_here={
+        "device": "cpu on the cpu workload, cuda on the gpu one",
+        "max_running_requests": "64 on the cpu workload, 256 on the gpu one",
+        "max_extend_tokens": "the engine's on cpu, 16384 on gpu",
+        "max_seq_len": "2048",
+        "load_format": "auto; dummy with --shape"})
+    parser.set_defaults(func=main)
+    return parser
