@@ -104,9 +104,11 @@ def server(case: tuple[Path, tuple[str, ...]]) -> Iterator[str]:
     try:
         yield url
     finally:
-        proc.terminate()
-        assert proc.wait(timeout=60) == 0, "SIGTERM ends the server cleanly"
-        assert none_left(children), "and every process it started"
+        import signal
+
+        proc.send_signal(signal.SIGINT)  # Ctrl-C (SIGTERM: the tests below)
+        assert proc.wait(timeout=60) == 0, "Ctrl-C ends the server cleanly"
+        assert none_left(children), "and every process it started, every rank"
 
 
 @pytest.fixture(scope="module")
