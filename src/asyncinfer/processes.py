@@ -96,3 +96,20 @@ def has_exited(pid: int) -> bool:
         return bool(select.select([fd], [], [], 0)[0])
     finally:
         os.close(fd)
+
+
+def die_with_parent(sig: int) -> None:
+    """Have the kernel send this process ``sig`` when its parent exits (Linux; elsewhere
+    nothing), and send it now if the parent is already gone."""
+    import ctypes
+    import ctypes.util
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or parent == 1:
+        signal.raise_signal(sig)

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
@@ -70,6 +71,7 @@ class ServerState:
     """What handlers and the shutdown share: draining, and the generation requests in flight."""
 
     draining: bool = False
+    ready: bool = True                  # False: /health says 503, work is still served
     in_flight: int = 0
     admitting: int = 0                  # admitted, not yet handed to the engine
     idle: asyncio.Event | None = None
@@ -193,7 +195,7 @@ class _Routes:
     """The request handlers of one app, sharing its engine, model name, limits and metrics."""
 
     def __init__(self, engine: Engine, served_model_name: str, metrics: ServerMetrics,
-                 options: ServerOptions, state: ServerState) -> None:
+                 options: ServerOptions, state: ServerState, worker: WorkerInfo) -> None:
         if engine.tokenizer is None:
             raise ConfigError("the server needs the model's tokenizer "
                               "(the engine was built with skip_tokenizer_init=True)")
@@ -203,6 +205,7 @@ class _Routes:
         self.metrics = metrics
         self.options = options
         self.state = state
+        self.worker = worker
         context = engine.context_len
         self.limits = protocol.Limits(
             vocab_size=engine.tokenizer.vocab_size, context_len=context,
@@ -397,12 +400,43 @@ class _Routes:
                 "owned_by": "asyncinfer", "max_model_len": self.engine.context_len}
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the engine loop runs and the server accepts work; 503 otherwise."""
+        """200 while the engine loop runs and the server accepts work; 503 otherwise (and
+        from the start of a shutdown, while requests are still served)."""
         if self.state.draining:
             return web.json_response({"status": "draining"}, status=503)
+        if not self.state.ready:
+            return web.json_response({"status": "shutting down"}, status=503)
         if not self.engine.alive:
             return web.json_response({"status": "engine stopped"}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """What a router registering this server reads (sglang-router's worker protocol):
+        the served model, parallelism, limits, and the live counters."""
+        stats = self.engine.stats()
+        return web.json_response({
+            **self.worker.server_info(), "served_model_name": self.served_name,
+            "context_length": self.engine.context_len,
+            "max_waiting_requests": self.options.max_waiting_requests,
+            "num_running_reqs": stats.running, "num_waiting_reqs": stats.waiting,
+            "kv_pages_used": stats.kv_pages_used, "kv_pages_total": stats.kv_pages_total,
+            "version": _version()})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """The model, as a router registering this server reads it."""
+        return web.json_response({**self.worker.model_info(),
+                                  "served_model_name": self.served_name,
+                                  "is_generation": True,
+                                  "context_length": self.engine.context_len})
+
+    async def load(self, request: web.Request) -> web.Response:
+        """Requests running and waiting, for a router's load-aware policies."""
+        stats = self.engine.stats()
+        return web.json_response({"load": stats.running + stats.waiting,
+                                  "num_reqs": stats.running + stats.waiting,
+                                  "num_running_reqs": stats.running,
+                                  "num_waiting_reqs": stats.waiting,
+                                  "kv_pages_used": stats.kv_pages_used})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -412,6 +446,47 @@ class _Routes:
 
 
 _STARTED = int(time.time())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("asyncinfer")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@frozen
+class WorkerInfo:
+    """The model a server runs, as routers and operators ask for it: where it was loaded
+    from, its architecture, and the parallelism it runs with."""
+
+    model_path: str | None = None
+    model_type: str | None = None
+    architectures: tuple[str, ...] = ()
+    tp_size: int = 1
+    policy: str | None = None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str, tp_size: int = 1,
+                       policy: str | None = None) -> WorkerInfo:
+        """Read from the model directory's config.json (what is missing stays None)."""
+        try:
+            config = json.loads((Path(model_dir) / "config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        return cls(model_dir, config.get("model_type"),
+                   tuple(config.get("architectures") or ()), tp_size, policy)
+
+    def model_info(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path,
+                "model_type": self.model_type, "architectures": list(self.architectures)}
+
+    def server_info(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path,
+                "tp_size": self.tp_size, "dp_size": 1, "policy": self.policy,
+                "engine": "asyncinfer"}
 
 
 async def _json_body(request: web.Request, timeout: float) -> dict[str, Any]:
@@ -494,12 +569,14 @@ def _auth_middleware(api_key: str) -> Any:
 
 def create_app(engine: Engine, *, api_key: str | None = None,
                served_model_name: str | None = None,
-               options: ServerOptions | None = None) -> web.Application:
+               options: ServerOptions | None = None,
+               worker: WorkerInfo | None = None) -> web.Application:
     """An app serving ``engine``; the caller starts and closes the engine.
 
     With ``api_key`` set, /v1/* and /generate need ``Authorization: Bearer <api_key>``;
-    /health, /metrics and /openapi.json stay open. ``served_model_name`` defaults to
-    ``engine.model_name``.
+    /health, /metrics, /openapi.json and the router's worker routes (/server_info,
+    /model_info, /get_load and their older spellings) stay open. ``served_model_name``
+    defaults to ``engine.model_name``; ``worker`` describes the model to routers.
     """
     options = options or ServerOptions()
     metrics = ServerMetrics(engine.stats)
@@ -507,7 +584,8 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     state = ServerState()
     app[METRICS], app[STATE], app[ENGINE] = metrics, state, engine
-    routes = _Routes(engine, served_model_name or engine.model_name, metrics, options, state)
+    routes = _Routes(engine, served_model_name or engine.model_name, metrics, options, state,
+                     worker or WorkerInfo())
     app.router.add_post("/v1/completions", routes.counted(routes.completions))
     app.router.add_post("/v1/chat/completions", routes.counted(routes.chat))
     app.router.add_post("/generate", routes.counted(routes.generate))
@@ -516,12 +594,29 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.prometheus)
     app.router.add_get("/openapi.json", routes.openapi)
+    # sglang-router's worker protocol (the older spellings for older routers).
+    for path, handler in (("/server_info", routes.server_info),
+                          ("/get_server_info", routes.server_info),
+                          ("/model_info", routes.model_info),
+                          ("/get_model_info", routes.model_info),
+                          ("/get_load", routes.load)):
+        app.router.add_get(path, handler)
 
     async def stop_tokenizing(app: web.Application) -> None:
         routes.encoder.pool.shutdown(wait=False, cancel_futures=True)
 
     app.on_cleanup.append(stop_tokenizing)
     return app
+
+
+async def unready(app: web.Application, delay: float) -> None:
+    """Answer /health with 503 for ``delay`` seconds while still serving every request: a
+    load balancer or router that polls /health takes this server out before it refuses
+    work (then ``drain``)."""
+    app[STATE].ready = False
+    if delay > 0:
+        logger.info("shutting down: /health answers 503; still serving for %g s", delay)
+        await asyncio.sleep(delay)
 
 
 async def drain(app: web.Application, timeout: float, grace: float = 10.0) -> bool:

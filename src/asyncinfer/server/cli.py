@@ -35,6 +35,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--api-workers", type=int, default=1,
                        help="HTTP front processes (parsing, tokenizing, detokenizing, "
                             "streaming), all on --port, beside the one engine core process")
+    replicas = serve.add_argument_group("data-parallel replicas")
+    replicas.add_argument("--dp", type=int, default=1,
+                          help="run this many engine replicas (each with --tp ranks; on CUDA "
+                               "replica i takes the GPUs from i*tp on) behind sglang-router "
+                               "on --port (needs 'asyncinfer[router]')")
+    replicas.add_argument("--router-policy", default="cache_aware",
+                          choices=["cache_aware", "power_of_two", "round_robin", "random"],
+                          help="with --dp: how the router picks a replica (cache_aware: "
+                               "where the prompt's prefix is cached, unless loads differ much)")
+    replicas.add_argument("--router-args", default="",
+                          help="with --dp: more sglang-router flags, as one string "
+                               "(e.g. \"--cache-threshold 0.5 --log-level warn\")")
     limits = serve.add_argument_group("limits and timeouts")
     limits.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="requests that may wait for the engine; past it a generation "
@@ -52,6 +64,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     limits.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM/SIGINT, seconds requests in flight may take to finish "
                              "before they are ended")
+    limits.add_argument("--shutdown-delay", type=float, default=0.0,
+                        help="on SIGTERM/SIGINT, seconds /health answers 503 while requests "
+                             "are still served, before the drain: a router or load balancer "
+                             "polling /health moves traffic away first (a rolling restart "
+                             "loses nothing)")
     limits.add_argument("--special-tokens-in-text", action="store_true",
                         help="let prompt and chat text spell control tokens such as "
                              "<|im_end|> (off: such text is tokenized as plain text)")

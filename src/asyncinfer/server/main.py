@@ -60,12 +60,31 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          special_tokens_in_text=args.special_tokens_in_text)
 
 
+class _QuietMalformed(logging.Filter):
+    """Keep what is not HTTP/1.1 (a router probing for HTTP/2 or gRPC, a scanner) out of the
+    error log: aiohttp answers it 400 and logs a traceback; here it is one debug line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import BadHttpMessage
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            logger.debug("malformed HTTP request answered 400: %s", exc.message)
+            return False
+        return True
+
+
+_QUIET = _QuietMalformed()
+
+
 def app_runner(app: web.Application, header_timeout: float) -> web.AppRunner:
     """The runner ``serve`` uses: a client that disconnects has its handler cancelled (so its
     request is aborted at once), and a connection that sends no complete request head within
     ``header_timeout`` seconds, or idles that long between requests, is closed. After an
     error answered before its body was read (408, 413), the connection lingers at most 2 s
-    for the rest of the body. At exit, after the drain, handlers get 5 s more."""
+    for the rest of the body. At exit, after the drain, handlers get 5 s more. A request
+    that is not HTTP/1.1 is answered 400 without a traceback in the log."""
+    logging.getLogger("aiohttp.server").addFilter(_QUIET)
     return web.AppRunner(app, handler_cancellation=True, keepalive_timeout=header_timeout,
                          lingering_time=2.0, shutdown_timeout=5.0)
 
@@ -73,6 +92,12 @@ def app_runner(app: web.Application, header_timeout: float) -> web.AppRunner:
 def serve(args: argparse.Namespace) -> int:
     """Serve the model on ``args.host:args.port`` until SIGTERM or SIGINT (then 0), or until
     a process of the server dies (then 1)."""
+    if args.dp > 1:
+        from asyncinfer.server.replicas import serve_replicas
+
+        return serve_replicas(args)
+    if args.dp < 1:
+        raise ConfigError(f"--dp must be at least 1, got {args.dp}")
     workers = args.api_workers
     if workers < 1:
         raise ConfigError(f"--api-workers must be at least 1, got {workers}")
@@ -99,7 +124,7 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         listener.close()
         for front in fronts:
-            _reap(front, args.shutdown_timeout + 15)
+            _reap(front, args.shutdown_delay + args.shutdown_timeout + 15)
         if core is not None:
             _reap(core, CORE_STOP_TIMEOUT)
         shutil.rmtree(directory, ignore_errors=True)
@@ -189,7 +214,7 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
                  core: SpawnProcess | None = None) -> int:
     """Serve HTTP on ``listener`` for the core until stopped; the exit code."""
     from asyncinfer.ipc.client import EngineClient
-    from asyncinfer.server.app import create_app, drain
+    from asyncinfer.server.app import WorkerInfo, create_app, drain, unready
     from asyncinfer.tokenizer import Tokenizer
 
     loop = asyncio.get_running_loop()
@@ -218,8 +243,11 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
         unwatch.append(watch_exit(_pid(child), _front_exit(child, stop, fail)))
     runner: web.AppRunner | None = None
     try:
+        worker = WorkerInfo.from_model_dir(info.model_dir, args.tensor_parallel_size or 1,
+                                           args.policy)
         app = create_app(client, api_key=args.api_key,
-                         served_model_name=args.served_model_name, options=server_options(args))
+                         served_model_name=args.served_model_name, options=server_options(args),
+                         worker=worker)
         runner = app_runner(app, args.header_timeout)
         await runner.setup()
         await web.SockSite(runner, listener).start()
@@ -237,10 +265,12 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
             # Open requests have their answer already (503); let it reach the clients.
             await drain(app, 0.5, grace=0.5)
         else:
+            await unready(app, args.shutdown_delay)
             logger.info("shutting down: draining for up to %g s", args.shutdown_timeout)
             await drain(app, args.shutdown_timeout)
             for child in children or []:
-                await loop.run_in_executor(None, child.join, args.shutdown_timeout + 15)
+                await loop.run_in_executor(None, child.join,
+                                           args.shutdown_delay + args.shutdown_timeout + 15)
     finally:
         for stop_watching in unwatch:
             stop_watching()
