@@ -36,9 +36,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
-    """An `asyncinfer serve` process on a free loopback port, once /health says ok."""
-    port = _free_port()
+def start_server(model: Path, *extra: str,
+                 port: int | None = None) -> tuple[subprocess.Popen[str], str]:
+    """An `asyncinfer serve` process on ``port`` (default: a free loopback port), once
+    /health says ok."""
+    port = port or _free_port()
     _, target = engine_under_test()
     cmd = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port),
            "--model", str(model), "--served-model-name", NAME,
