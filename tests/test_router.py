@@ -244,3 +244,26 @@ def test_dp_without_the_router_installed_is_a_clear_error(monkeypatch: Any) -> N
     args = build_parser().parse_args(["serve", "--dp", "2"])
     with pytest.raises(ConfigError, match=r"pip install 'asyncinfer\[router\]'"):
         serve_replicas(args)
+
+
+def test_bench_serve_through_the_router_reports_each_replica(replicas: tuple[str, list[str]],
+                                                             tmp_path: Path) -> None:
+    """`asyncinfer bench serve` at the router: prompts go as text (the router refuses ids),
+    and the report has a row per replica whose requests add up to the run's, with the
+    prompt tokens each served from its prefix cache."""
+    from asyncinfer.cli import main
+
+    router, workers = replicas
+    out = tmp_path / "bench.json"
+    assert main(["bench", "serve", "--url", router, "--num-requests", "6", "--concurrency",
+                 "1", "--input-len", "8", "--output-len", "2", "--prefix-groups", "2",
+                 "--prefix-len", "64", "--seed", "5", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["params"]["prompt_format"] == "text" and report["completed"] == 6
+    rows = {row["url"]: row for row in report["replicas"]}
+    assert set(rows) == set(workers)
+    assert sum(row["requests"] for row in rows.values()) == 6
+    assert sum(row["generation_tokens"] for row in rows.values()) == 12
+    # Four of the six requests follow one of their group's: 4 x 64 prefix tokens could be
+    # cached; whole pages of them are, wherever the router sent them.
+    assert 0 < sum(row["prefix_cache_hit_tokens"] for row in rows.values()) <= 4 * 72

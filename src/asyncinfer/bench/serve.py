@@ -20,6 +20,7 @@ import os
 import random
 import re
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -98,13 +99,19 @@ def arrival_schedule(num_requests: int, rate: float, seed: int) -> list[float]:
 
 
 def make_requests(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                  seed: int) -> list[RequestSpec]:
-    """Prompts of random ids with uniform random lengths in the inclusive ranges."""
+                  seed: int, prefix_groups: int = 0, prefix_len: int = 0) -> list[RequestSpec]:
+    """Prompts of random ids with uniform random lengths in the inclusive ranges. With
+    ``prefix_groups``, request i's prompt starts with shared prefix ``i % prefix_groups``
+    (``prefix_len`` random ids each) before its own ids: what a prefix cache, and a router
+    that sends a prompt where its prefix is cached, can serve from cache."""
     rng = random.Random(f"prompts-{seed}")  # not the schedule's stream: same prompts at any rate
+    prefixes = [tuple(rng.randrange(*TOKEN_IDS) for _ in range(prefix_len))
+                for _ in range(prefix_groups)]
     specs = []
-    for _ in range(num_requests):
+    for i in range(num_requests):
         prompt = tuple(rng.randrange(*TOKEN_IDS) for _ in range(rng.randint(*input_len)))
-        specs.append(RequestSpec(prompt, rng.randint(*output_len)))
+        shared = prefixes[i % prefix_groups] if prefixes else ()
+        specs.append(RequestSpec(shared + prompt, rng.randint(*output_len)))
     return specs
 
 
@@ -172,11 +179,13 @@ class _Client:
     timeout: float
     start: float
     on_done: Callable[[], object]
+    text: bool = False
     reported: set[str] = field(factory=set)
 
     async def send(self, spec: RequestSpec) -> RequestResult:
         """One streamed completion; every failure is recorded, none is raised."""
-        payload = {"model": self.model, "prompt": list(spec.prompt),
+        prompt: str | list[int] = as_text(spec.prompt) if self.text else list(spec.prompt)
+        payload = {"model": self.model, "prompt": prompt,
                    "max_tokens": spec.output_len, "temperature": 0.0, "stream": True,
                    "stream_options": {"include_usage": True}, "ignore_eos": True}
         result = RequestResult(len(spec.prompt), spec.output_len,
@@ -227,7 +236,7 @@ async def _first_model(session: aiohttp.ClientSession, base: str, headers: dict[
     async def ask() -> str:
         async with session.get(f"{base}/v1/models", headers=headers) as response:
             response.raise_for_status()
-            return str((await response.json())["data"][0]["id"])
+            return str((await response.json(content_type=None))["data"][0]["id"])
 
     try:
         return await asyncio.wait_for(ask(), timeout)
@@ -261,10 +270,11 @@ def _raise_open_files_limit(needed: int) -> None:
 async def run_load(base: str, model: str | None, specs: list[RequestSpec], *,
                    schedule: list[float] | None = None, concurrency: int | None = None,
                    api_key: str | None = None, timeout: float = 600.0,
-                   on_done: Callable[[], object] = lambda: None
+                   on_done: Callable[[], object] = lambda: None, text: bool = False
                    ) -> tuple[str, list[RequestResult], float]:
-    """Send ``specs`` on ``schedule`` (open loop) or from ``concurrency`` workers (closed loop);
-    returns the model name, each request's result in order, and the run's duration."""
+    """Send ``specs`` on ``schedule`` (open loop) or from ``concurrency`` workers (closed loop),
+    their prompts as ids or, with ``text``, as words; returns the model name, each request's
+    result in order, and the run's duration."""
     import aiohttp
 
     assert (schedule is None) != (concurrency is None), "exactly one of schedule, concurrency"
@@ -280,7 +290,7 @@ async def run_load(base: str, model: str | None, specs: list[RequestSpec], *,
             model = await _first_model(session, base, headers, timeout)
             logger.info("model from %s/v1/models: %s", base, model)
         client = _Client(session, f"{base}/v1/completions", model, headers, timeout,
-                         time.perf_counter(), on_done)
+                         time.perf_counter(), on_done, text)
         if schedule is not None:
             results = await _open_loop(client, specs, schedule)
         else:
@@ -289,7 +299,85 @@ async def run_load(base: str, model: str | None, specs: list[RequestSpec], *,
         return model, results, time.perf_counter() - client.start
 
 
+# Words standing in for token ids where a prompt must be text (a router that reads prompts
+# as text, for its cache-aware routing): common words, about one token each in most
+# vocabularies.
+_WORD_LIST = """time year people way day man thing woman life child world school state
+family student group country problem hand part place case week company system program
+question work government number night point home water room mother area money story fact
+month lot right study book eye job word business issue side kind head house service friend
+father power hour game line end member law car city community name president team minute
+idea kid body information back parent face others level office door health person art war
+history party result change morning reason research girl guy moment air teacher force
+education foot boy age policy music market sense nation plan college interest death
+experience effect class control care field development role effort rate heart drug show
+leader light voice wife police mind price report decision son view relationship town road
+arm difference value building action model season society tax director position player
+record paper space ground form event official matter center couple site project activity
+star table need court oil situation cost industry figure street image phone data picture
+practice piece land product doctor wall patient worker news test movie north love support
+technology step baby computer type attention film tree source organization hair window
+evidence population stage"""
+WORDS = tuple(_WORD_LIST.split())
+
+
+def as_text(ids: tuple[int, ...]) -> str:
+    """A prompt's ids as words (the same ids, the same words)."""
+    return " ".join(WORDS[i % len(WORDS)] for i in ids)
+
+
+REPLICA_COUNTERS = ("requests", "generation_tokens", "prefix_cache_query_tokens",
+                    "prefix_cache_hit_tokens")
+
+
+def replica_urls(base: str, api_key: str | None = None) -> list[str]:
+    """The servers behind ``base``: the replicas a router at ``base`` lists on /workers
+    (sglang-router's), else ``base`` itself."""
+    request = urllib.request.Request(f"{base}/workers", headers=_auth(api_key))
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            workers = json.loads(response.read()).get("workers")
+    except (OSError, ValueError, AttributeError):
+        return [base]
+    urls = [w["url"].rstrip("/") for w in workers or [] if isinstance(w, dict) and "url" in w]
+    return urls or [base]
+
+
+def replica_counters(urls: list[str]) -> dict[str, dict[str, float]]:
+    """Each server's counters of ``REPLICA_COUNTERS`` from its /metrics (summed over their
+    labels); a server that cannot be read is left out."""
+    found: dict[str, dict[str, float]] = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+                text = response.read().decode()
+        except OSError:
+            continue
+        counters = dict.fromkeys(REPLICA_COUNTERS, 0.0)
+        for line in text.splitlines():
+            match = _COUNTER_LINE.match(line)
+            if match and match[1] in counters:
+                counters[match[1]] += float(match[2])
+        found[url] = counters
+    return found
+
+
+def replica_report(before: dict[str, dict[str, float]],
+                   after: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """Per server, what the run added: requests, generated tokens, and prompt tokens looked
+    up in and served from its prefix cache (with the hit rate)."""
+    rows = []
+    for url, end in after.items():
+        start = before.get(url, dict.fromkeys(REPLICA_COUNTERS, 0.0))
+        delta = {k: int(end[k] - start[k]) for k in REPLICA_COUNTERS}
+        queried = delta["prefix_cache_query_tokens"]
+        rows.append({"url": url, **delta, "prefix_cache_hit_rate":
+                     round(delta["prefix_cache_hit_tokens"] / queried, 4) if queried else None})
+    return rows
+
+
 GAUGES = ("requests_running", "requests_waiting", "kv_pages_used")
+_COUNTER_LINE = re.compile(r"^asyncinfer_(\w+?)(?:_total)?(?:\{[^}]*\})?\s+(\S+)")
 _GAUGE_LINE = re.compile(r"^asyncinfer_(\w+?)(?:\{[^}]*\})?\s+(\S+)")
 
 
@@ -438,6 +526,16 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{name.upper():<12}" + "".join(f"{c:>10}" for c in cells))
     if (drain := report.get("drain")) is not None:
         lines.append(f"{'drain':<12}{_drain_line(drain)}")
+    replicas = report.get("replicas") or []
+    if len(replicas) > 1 or any(r["prefix_cache_query_tokens"] for r in replicas):
+        lines.append(f"{'replica':<28}{'requests':>10}{'gen tok':>10}{'cached':>10}"
+                     f"{'of prompt':>11}{'hit rate':>10}")
+        for r in replicas:
+            rate = "-" if r["prefix_cache_hit_rate"] is None else (
+                f"{r['prefix_cache_hit_rate']:.1%}")
+            lines.append(f"{r['url'][-28:]:<28}{r['requests']:>10}{r['generation_tokens']:>10}"
+                         f"{r['prefix_cache_hit_tokens']:>10}"
+                         f"{r['prefix_cache_query_tokens']:>11}{rate:>10}")
     return "\n".join(lines)
 
 
@@ -460,17 +558,23 @@ def main(args: argparse.Namespace) -> int:
 
     input_len = args.input_len_range or (args.input_len, args.input_len)
     output_len = args.output_len_range or (args.output_len, args.output_len)
-    specs = make_requests(args.num_requests, input_len, output_len, args.seed)
+    specs = make_requests(args.num_requests, input_len, output_len, args.seed,
+                          args.prefix_groups, args.prefix_len)
     if args.hangup_fraction:
         specs = plan_hangups(specs, args.hangup_fraction, args.seed)
     check = args.check_drained if args.check_drained is not None else args.hangup_fraction > 0
     rate = math.inf if args.rate is None and args.concurrency is None else args.rate
     schedule = None if args.concurrency else arrival_schedule(len(specs), rate, args.seed)
     base = args.url.rstrip("/")
+    replicas = replica_urls(base, args.api_key)
+    counted = replica_counters(replicas)
+    # A router reads prompts as text (and refuses ids): words stand in for the ids then.
+    text = args.prompt_format == "text" or (args.prompt_format is None and replicas != [base])
     with tqdm(total=len(specs), desc="requests", disable=None) as progress:
         model, results, duration = asyncio.run(run_load(
             base, args.model, specs, schedule=schedule, concurrency=args.concurrency,
-            api_key=args.api_key, timeout=args.timeout, on_done=progress.update))
+            api_key=args.api_key, timeout=args.timeout, on_done=progress.update, text=text))
+    per_replica = replica_report(counted, replica_counters(replicas))
     drain = None
     if check:
         drain = asyncio.run(check_drained(base, api_key=args.api_key,
@@ -479,13 +583,16 @@ def main(args: argparse.Namespace) -> int:
     params = {"url": base, "model": model, "policy": args.policy, "load": load,
               "rate": None if load != "poisson" else rate, "concurrency": args.concurrency,
               "num_requests": args.num_requests, "input_len": list(input_len),
-              "output_len": list(output_len), "seed": args.seed, "slo_ttft_ms": args.slo_ttft_ms,
+              "output_len": list(output_len), "prefix_groups": args.prefix_groups,
+              "prefix_len": args.prefix_len, "prompt_format": "text" if text else "ids",
+              "seed": args.seed, "slo_ttft_ms": args.slo_ttft_ms,
               "slo_tpot_ms": args.slo_tpot_ms, "timeout_s": args.timeout,
               "hangup_fraction": args.hangup_fraction, "check_drained": check,
               "drain_timeout_s": args.drain_timeout if check else None}
     report = {"benchmark": "serve", "params": params,
               **summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms),
-              "drain": drain, "requests": [_request_row(r) for r in results]}
+              "drain": drain, "replicas": per_replica,
+              "requests": [_request_row(r) for r in results]}
     print(format_report(report), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -556,6 +663,14 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                         help=f"prompt tokens (random ids in [{TOKEN_IDS[0]}, {TOKEN_IDS[1]}))")
     parser.add_argument("--output-len", type=_positive_int, default=64,
                         help="output tokens (EOS is ignored)")
+    parser.add_argument("--prompt-format", choices=["ids", "text"], default=None,
+                        help="send prompts as token ids, or as words (about a token each) "
+                             "(default: text through a router, which refuses ids; else ids)")
+    parser.add_argument("--prefix-groups", type=int, default=0,
+                        help="requests share this many prompt prefixes, in turn (0: none)")
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="tokens of each shared prefix, before each request's own "
+                             "--input-len")
     parser.add_argument("--input-len-range", type=_length_range, default=None, metavar="LO,HI",
                         help="uniform random prompt lengths, replacing --input-len")
     parser.add_argument("--output-len-range", type=_length_range, default=None, metavar="LO,HI",
