@@ -111,6 +111,7 @@ class CoreInfo:
     model_dir: str
     context_len: int
     kv_pages_total: int
+    page_size: int = 16
 
 
 encode = msgspec.msgpack.Encoder().encode

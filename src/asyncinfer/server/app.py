@@ -430,13 +430,14 @@ class _Routes:
                                   "context_length": self.engine.context_len})
 
     async def load(self, request: web.Request) -> web.Response:
-        """Requests running and waiting, for a router's load-aware policies."""
+        """The load a router's load-aware policies weigh (sglang-router's power_of_two sums
+        ``num_tokens``): one entry per data-parallel rank, here one. Tokens are those whose
+        KV the running requests hold."""
         stats = self.engine.stats()
-        return web.json_response({"load": stats.running + stats.waiting,
-                                  "num_reqs": stats.running + stats.waiting,
-                                  "num_running_reqs": stats.running,
-                                  "num_waiting_reqs": stats.waiting,
-                                  "kv_pages_used": stats.kv_pages_used})
+        return web.json_response([{
+            "dp_rank": 0, "num_reqs": stats.running + stats.waiting,
+            "num_running_reqs": stats.running, "num_waiting_reqs": stats.waiting,
+            "num_tokens": stats.kv_pages_used * self.worker.page_size}])
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -467,17 +468,18 @@ class WorkerInfo:
     architectures: tuple[str, ...] = ()
     tp_size: int = 1
     policy: str | None = None
+    page_size: int = 16
 
     @classmethod
-    def from_model_dir(cls, model_dir: str, tp_size: int = 1,
-                       policy: str | None = None) -> WorkerInfo:
+    def from_model_dir(cls, model_dir: str, tp_size: int = 1, policy: str | None = None,
+                       page_size: int = 16) -> WorkerInfo:
         """Read from the model directory's config.json (what is missing stays None)."""
         try:
             config = json.loads((Path(model_dir) / "config.json").read_text())
         except (OSError, ValueError):
             config = {}
         return cls(model_dir, config.get("model_type"),
-                   tuple(config.get("architectures") or ()), tp_size, policy)
+                   tuple(config.get("architectures") or ()), tp_size, policy, page_size)
 
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path,

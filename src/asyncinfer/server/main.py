@@ -244,7 +244,7 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
     runner: web.AppRunner | None = None
     try:
         worker = WorkerInfo.from_model_dir(info.model_dir, args.tensor_parallel_size or 1,
-                                           args.policy)
+                                           args.policy, info.page_size)
         app = create_app(client, api_key=args.api_key,
                          served_model_name=args.served_model_name, options=server_options(args),
                          worker=worker)
