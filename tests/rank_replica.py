@@ -44,8 +44,10 @@ def main() -> None:
         while log and log[0][0] <= step:
             _, kind, uid, prompt, max_tokens = log.pop(0)
             if kind == "add":
+                # Priorities from the uid: the priority policy preempts, the others ignore it.
                 sched.add_request(uid, prompt, SamplingParams(max_tokens=max_tokens,
-                                                              temperature=0.0))
+                                                              temperature=0.0,
+                                                              priority=(uid * 7) % 4))
             else:
                 sched.abort(uid)
         before = len(engine.batches)

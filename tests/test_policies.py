@@ -15,6 +15,7 @@ from asyncinfer.policies import (
     DecodeFirst,
     Policy,
     PrefillFirst,
+    Priority,
     RunningRequest,
     SchedulerView,
     SkipAhead,
@@ -29,7 +30,8 @@ from asyncinfer.policies.registry import (
     parse_policy_options,
 )
 
-BUILTINS = {"prefill_first": PrefillFirst, "decode_first": DecodeFirst, "skip_ahead": SkipAhead}
+BUILTINS = {"prefill_first": PrefillFirst, "decode_first": DecodeFirst, "skip_ahead": SkipAhead,
+            "priority": Priority}
 
 
 def waiting(uid: int, prefill: int = 100, waited: int = 0, chunked: bool = False,

@@ -22,7 +22,7 @@ def replica(policy: str, cache_type: str, hash_seed: str, ballast: int) -> list[
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("policy", ["prefill_first", "decode_first", "skip_ahead"])
+@pytest.mark.parametrize("policy", ["prefill_first", "decode_first", "skip_ahead", "priority"])
 @pytest.mark.parametrize("cache_type", ["radix", "naive"])
 def test_replicas_schedule_identical_batches(policy: str, cache_type: str) -> None:
     first = replica(policy, cache_type, hash_seed="0", ballast=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -28,7 +29,7 @@ from asyncinfer.config import EngineConfig
 from asyncinfer.errors import EngineError
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import Decision, Policy
-from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, SkipAhead
+from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, Priority, SkipAhead
 from asyncinfer.scheduler.request import Req, RowState
 from asyncinfer.scheduler.scheduler import ScheduledBatch, Scheduler
 from asyncinfer.scheduler.table import RowTable
@@ -69,12 +70,14 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(target=uids, prefix=st.sampled_from(PREFIXES),
           suffix=st.lists(st.integers(1, 49), min_size=1, max_size=30),
-          max_tokens=st.integers(1, MAX_TOKENS), ignore_eos=st.booleans())
+          max_tokens=st.integers(1, MAX_TOKENS), ignore_eos=st.booleans(),
+          priority=st.integers(0, 3))
     def arrive(self, prefix: list[int], suffix: list[int], max_tokens: int,
-               ignore_eos: bool) -> int:
+               ignore_eos: bool, priority: int) -> int:
         uid, self.next_uid = self.next_uid, self.next_uid + 1
         prompt = prefix + suffix
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
+                                priority=priority)
         self.sched.add_request(uid, prompt, params)
         self.expected[uid] = reference_output(prompt, max_tokens, self.engine.vocab,
                                               self.engine.eos_every, ignore_eos)
@@ -227,6 +230,7 @@ SETTINGS = settings(max_examples=40, stateful_step_count=60, deadline=None,
 @pytest.mark.parametrize("policy", [
     PrefillFirst(), DecodeFirst(max_decode_rounds=2), DecodeFirst(max_decode_rounds=1),
     SkipAhead(aging=1.0, threshold=6.0), SkipAhead(aging=0.5, threshold=3.0),
+    Priority(), Priority(aging=0.0), Priority(aging=1.0, preempt=False),
 ], ids=lambda p: f"{p.name}")
 def test_scheduler_invariants_hold_under_random_traffic(policy: Policy) -> None:
     machine = _machine(policy)
@@ -291,3 +295,51 @@ def test_prefix_lookups_are_counted_only_by_a_cache_that_shares(cache_type: str)
     counts = (stats.queries, stats.hits, stats.query_tokens, stats.hit_tokens)
     assert counts == ((2, 1, 26, 12) if cache_type == "radix" else (0, 0, 0, 0))
     sched.check_invariants()
+
+
+def test_a_high_priority_request_preempts_its_way_in_and_the_preempted_lose_nothing() -> None:
+    """Both request slots run low-priority requests when a high-priority one arrives: it is
+    admitted in the next round (the policy's stated bound), the worse of the two running is
+    preempted, and every request, the preempted one included, ends with exactly the tokens
+    it produces alone. Its prompt's full pages were kept in the prefix cache."""
+    engine = FakeEngine(num_pages=64, page_size=4, max_rows=2, context_len=256)
+    sched = Scheduler(engine, Priority(), EngineConfig(max_extend_tokens=64), frozenset())
+    low = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27]]
+    sched.add_request(0, low[0], SamplingParams(max_tokens=30, temperature=0.0, priority=5))
+    sched.add_request(1, low[1], SamplingParams(max_tokens=30, temperature=0.0, priority=3))
+    outputs: dict[int, list[int]] = {}
+
+    def step() -> None:
+        for event in sched.step():
+            if event.token is not None:
+                outputs.setdefault(event.uid, []).append(event.token)
+
+    for _ in range(4):
+        step()
+    assert set(sched.running) == {0, 1}
+    high = [30, 31, 32, 33, 34]
+    sched.add_request(2, high, SamplingParams(max_tokens=6, temperature=0.0, priority=0))
+    step()
+    assert sched.last_decision is not None and sched.last_decision.preempt == (0,)
+    assert 2 in sched.running and 0 not in sched.running, "admitted in the next round"
+    assert sched.cache.cached_pages >= len(low[0]) // 4, "its full pages stayed cached"
+    for _ in range(200):
+        if not sched.has_work:
+            break
+        step()
+    for uid, prompt, n in ((0, low[0], 30), (1, low[1], 30), (2, high, 6)):
+        assert outputs[uid] == reference_output(prompt, n, engine.vocab), uid
+    sched.check_invariants()
+
+
+def test_equal_priorities_never_preempt_each_other() -> None:
+    from asyncinfer.policies.base import RunningRequest, SchedulerView, WaitingRequest
+
+    view = SchedulerView(
+        waiting=(WaitingRequest(9, 8, 8, 4, 3, 1, False, priority=1),),
+        running=(RunningRequest(1, 20, 4, priority=1), RunningRequest(2, 20, 4, priority=2)),
+        free_pages=0, free_slots=0, token_budget=64, page_size=4, round=4, decode_streak=0)
+    assert Priority().decide(view).preempt == (2,)
+    same = attrs.evolve(view, running=(RunningRequest(1, 20, 4, priority=1),))
+    assert Priority().decide(same).preempt == ()
+    assert Priority(preempt=False).decide(view).preempt == ()

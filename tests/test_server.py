@@ -183,6 +183,9 @@ BAD_INPUTS = [
     (C, {"prompt": "hi", "top_k": 1.5}, 400, "top_k", None),
     (C, {"prompt": "hi", "min_p": 2}, 400, "min_p", None),
     (C, {"prompt": "hi", "seed": "x"}, 400, "seed", None),
+    (C, {"prompt": "hi", "priority": 1.5}, 400, "priority", None),
+    (C, {"prompt": "hi", "priority": "high"}, 400, "priority", None),
+    (C, {"prompt": "hi", "priority": True}, 400, "priority", None),
     (C, {"prompt": "hi", "stop": 5}, 400, "stop", None),
     (C, {"prompt": "hi", "stop": [""]}, 400, "stop", None),
     (C, {"prompt": "hi", "n": 2}, 400, "n", None),
@@ -292,7 +295,8 @@ async def test_completion_response_shape_and_usage(client: TestClient,
                                                    engine: StubEngine) -> None:
     resp = await client.post(C, json={"prompt": "hello", "max_tokens": 4, "temperature": 0,
                                       "top_k": 5, "min_p": 0.1, "seed": 3, "stop": "zz",
-                                      "ignore_eos": True, "model": "stub-model", "n": 1})
+                                      "ignore_eos": True, "model": "stub-model", "n": 1,
+                                      "priority": -2})
     assert resp.status == 200
     body = await resp.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
@@ -302,7 +306,7 @@ async def test_completion_response_shape_and_usage(client: TestClient,
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert engine.params[0] == SamplingParams(max_tokens=4, temperature=0, top_k=5, min_p=0.1,
-                                              seed=3, stop="zz", ignore_eos=True)
+                                              seed=3, stop="zz", ignore_eos=True, priority=-2)
 
 
 async def test_a_single_prompt_in_a_list_is_accepted(client: TestClient,

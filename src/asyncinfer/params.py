@@ -44,8 +44,10 @@ class SamplingParams:
     (1e-2): such a request samples the argmax. ``top_k`` of -1 or 0, ``top_p == 1`` and
     ``min_p == 0`` disable their filters; a ``top_k`` at least the vocabulary size disables it
     too. A ``seed`` (any integer in 64 bits, signed or not) makes the request's samples
-    independent of what else is batched. Out-of-range values raise
-    :class:`~asyncinfer.errors.InvalidRequestError` naming the field.
+    independent of what else is batched. ``priority`` (an integer, lower first, as vLLM's)
+    is read by policies that order by it, such as ``priority``; others ignore it.
+    Out-of-range values raise :class:`~asyncinfer.errors.InvalidRequestError` naming the
+    field.
     """
 
     max_tokens: int = 16
@@ -57,6 +59,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=(), converter=_as_stop)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0
 
     def __attrs_post_init__(self) -> None:
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32, "max_tokens",
@@ -74,6 +77,8 @@ class SamplingParams:
         _check(self.seed is None or (_is_int(self.seed)
                                      and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
                "seed", f"must be null or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+        _check(_is_int(self.priority) and -MAX_INT32 <= self.priority <= MAX_INT32, "priority",
+               f"must be an integer in [{-MAX_INT32}, {MAX_INT32}], got {self.priority!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                f"must be a non-empty string or a list of them, got {self.stop!r}")
 

@@ -7,7 +7,7 @@ from asyncinfer.policies.base import (
     SchedulerView,
     WaitingRequest,
 )
-from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, SkipAhead
+from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, Priority, SkipAhead
 from asyncinfer.policies.registry import load_policy
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "DecodeFirst",
     "Policy",
     "PrefillFirst",
+    "Priority",
     "RunningRequest",
     "SchedulerView",
     "SkipAhead",

@@ -23,6 +23,8 @@ class WaitingRequest:
     arrival_round: int          # the scheduler round in which it arrived
     waited_rounds: int          # rounds since arrival
     chunked: bool               # part of its prompt is computed already (chunked prefill)
+    priority: int = 0           # the request's priority (lower first; SamplingParams)
+    preemptions: int = 0        # times it was sent back from the running set
 
 
 @frozen
@@ -32,6 +34,8 @@ class RunningRequest:
     uid: int
     seq_len: int                # tokens so far, prompt and output
     remaining_tokens: int       # output tokens it may still produce
+    priority: int = 0           # the request's priority (lower first; SamplingParams)
+    arrival_round: int = 0      # the scheduler round in which it arrived
 
 
 @frozen
@@ -55,11 +59,16 @@ class Decision:
     With ``on_misfit="stop"`` admission ends at the first candidate that does not fit;
     with ``"skip"`` that candidate is passed over and the next one is tried. If a prefill
     admits nothing, the scheduler decodes instead (when anything is running).
+
+    ``preempt`` names running requests to send back to the waiting queue before admission:
+    their rows and pages are freed (the prefix cache keeps their computed full pages), and
+    they continue later where they stopped, with the same tokens.
     """
 
     action: Literal["prefill", "decode"]
     candidates: tuple[int, ...] = field(default=(), converter=tuple)
     on_misfit: Literal["stop", "skip"] = "stop"
+    preempt: tuple[int, ...] = field(default=(), converter=tuple)
 
     @classmethod
     def decode(cls) -> Decision:
@@ -67,9 +76,10 @@ class Decision:
         return cls("decode")
 
     @classmethod
-    def prefill(cls, candidates: Any, on_misfit: Literal["stop", "skip"] = "stop") -> Decision:
-        """Admit from ``candidates`` in order."""
-        return cls("prefill", tuple(candidates), on_misfit)
+    def prefill(cls, candidates: Any, on_misfit: Literal["stop", "skip"] = "stop",
+                preempt: Any = ()) -> Decision:
+        """Admit from ``candidates`` in order (after preempting ``preempt``)."""
+        return cls("prefill", tuple(candidates), on_misfit, tuple(preempt))
 
 
 @runtime_checkable

@@ -164,3 +164,87 @@ class SkipAhead:
             return Decision.prefill((req.uid for req in by_priority), "skip")
         young = [req for req in by_priority if req.waited_rounds < self.old_after]
         return Decision.prefill((req.uid for req in old + young), "stop")
+
+
+@frozen
+class Priority:
+    """By request priority (lower first), aged; a misfit preempts worse-priority requests.
+
+    The request's ``priority`` is SamplingParams' (and the OpenAI body's, as vLLM's).
+
+    Order: a waiting request's effective priority is ``priority - aging * waited_rounds``;
+    candidates go lowest first (ties by arrival), and admission stops at the first that does
+    not fit, so nothing overtakes it. Preemption (option ``preempt``, on by default): when
+    the first candidates lack a request slot or pages, running requests whose own priority
+    is strictly worse than the candidate's (the worst first, the latest arrival among
+    equals) are named in the Decision; the scheduler sends them back to the queue (their
+    computed pages stay in the prefix cache) and they later continue where they stopped,
+    with the tokens they would have produced anyway. Equal priorities never preempt each
+    other, so requests cannot take turns evicting each other. It prefills whenever anything
+    waits, like prefill_first.
+
+    Options: ``aging`` (>= 0, default 0.0625: one priority level per 16 rounds of waiting);
+    ``preempt`` (default true).
+
+    Bounds: a request of priority p that arrives while a running request has a priority
+    worse than p is admitted in the next round, if preempting the worse ones makes room for
+    its first chunk. With ``aging > 0`` it is ordered ahead of every request that arrives
+    more than ``(p - q) / aging`` rounds after it (q the best priority among those), so a
+    stream of better-priority arrivals can delay it, not starve it.
+    """
+
+    name = "priority"
+    options: ClassVar[dict[str, str]] = {
+        "aging": "priority levels gained per round of waiting (>= 0)",
+        "preempt": "preempt running requests of a worse priority (true or false)",
+    }
+
+    aging: float = field(default=0.0625, converter=_as_float,
+                         validator=_float_above(0.0, inclusive=True))
+    preempt: bool = field(default=True)
+
+    @preempt.validator
+    def _check_preempt(self, attribute: Attribute[Any], value: Any) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.name}: option preempt must be true or false, got "
+                              f"{value!r}")
+
+    def effective(self, req: WaitingRequest) -> float:
+        """Lower runs first: the request's priority, less what waiting has earned it."""
+        return req.priority - self.aging * req.waited_rounds
+
+    def decide(self, view: SchedulerView) -> Decision:
+        """Prefill by effective priority (stopping at a misfit), preempting for it."""
+        if not view.waiting:
+            return Decision.decode()
+        # Position in view.waiting is arrival order: the tie-break every rank agrees on.
+        order = [req for _, req in sorted(enumerate(view.waiting),
+                                          key=lambda item: (self.effective(item[1]), item[0]))]
+        victims = _preemptions(order, view) if self.preempt else ()
+        return Decision.prefill((req.uid for req in order), "stop", victims)
+
+
+def _preemptions(order: list[WaitingRequest], view: SchedulerView) -> tuple[int, ...]:
+    """The running requests to preempt so the first candidates of ``order`` fit: for each
+    candidate in turn (within a round's token budget), while it lacks a slot or pages, the
+    worst running request of a strictly worse priority."""
+    pool = sorted(view.running, key=lambda r: (-r.priority, -r.arrival_round, -r.uid))
+    slots, pages, budget = view.free_slots, view.free_pages, view.token_budget
+    chosen: list[int] = []
+    for req in order:
+        if budget <= 0:
+            break
+        if req.chunked:  # it holds its row and pages already, and resumes first
+            budget -= min(req.prefill_remaining, budget)
+            continue
+        chunk = min(req.prefill_remaining, budget)
+        need = -(-(chunk + 1) // view.page_size)
+        while (slots < 1 or pages < need) and pool and pool[0].priority > req.priority:
+            victim = pool.pop(0)
+            chosen.append(victim.uid)
+            slots += 1
+            pages += -(-victim.seq_len // view.page_size)
+        if slots < 1 or pages < need:
+            break  # it does not fit even so: admission stops here
+        slots, pages, budget = slots - 1, pages - need, budget - chunk
+    return tuple(chosen)

@@ -126,12 +126,14 @@ class Scheduler:
         self._events.append(Event(uid, None, "error", error, req.prefix_len, "engine"))
         return True
 
-    def preempt(self, uid: int) -> bool:
+    def preempt(self, uid: int, keep_prefix: bool = False) -> bool:
         """Send an admitted request back to the front of the waiting queue, to be recomputed;
         False if it holds nothing (unknown, or waiting for its first admission).
 
         Its row and pages are released (once no launched batch may touch them) without going
-        into the prefix cache: their KV may be partial, or corrupt after a failed forward. Its
+        into the prefix cache, as after a failed forward (its KV may be corrupt), unless
+        ``keep_prefix`` (a policy's preemption: its computed full pages go into the prefix
+        cache, so its recompute finds them there). Its
         progress is reset, so a later prefill recomputes its prompt and the outputs the host
         has received; what batches launched before now sample for it is dropped. Its output
         then continues where it stopped: ``max_tokens`` counts the outputs it has, and the
@@ -147,7 +149,7 @@ class Scheduler:
         else:
             del self.running[uid]
         # A copy holds the row and pages until they are released; the request starts afresh.
-        self._release(evolve(req), keep=False)
+        self._release(evolve(req), keep=keep_prefix)
         req.drop_row()
         req.pages, req.shared_pages, req.prefix_handle = [], 0, None
         req.cached_len = req.device_len = 0
@@ -203,9 +205,11 @@ class Scheduler:
         return SchedulerView(
             waiting=tuple(
                 WaitingRequest(r.uid, r.seq_len, r.seq_len - r.cached_len, r.remaining_tokens,
-                               r.arrival_round, self.round - r.arrival_round, r.admitted)
+                               r.arrival_round, self.round - r.arrival_round, r.admitted,
+                               r.params.priority, r.preemptions)
                 for r in self.waiting),
-            running=tuple(RunningRequest(r.uid, r.seq_len, r.remaining_tokens)
+            running=tuple(RunningRequest(r.uid, r.seq_len, r.remaining_tokens,
+                                         r.params.priority, r.arrival_round)
                           for r in self._running_in_uid_order()),
             free_pages=max(0, self.cache.available_pages - reserved),
             free_slots=self.table.num_free,
@@ -246,6 +250,9 @@ class Scheduler:
         return batch
 
     def _schedule_prefill(self, decision: Decision) -> ScheduledBatch | None:
+        for uid in decision.preempt:  # running requests only; their KV stays valid
+            if uid in self.running and not self.running[uid].suspect:
+                self.preempt(uid, keep_prefix=True)
         by_uid = {r.uid: r for r in self.waiting}
         adder = self._prefill_adder()
         # A half-prefilled prompt holds pages and a row: resume it before anything else.

@@ -123,7 +123,10 @@ class StreamOptions(_Strict):
 
 
 _SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
-                     "skip_special_tokens")
+                     "skip_special_tokens", "priority")
+# vLLM's extension: lower runs first where the engine's policy orders by it.
+_Priority = Annotated[Annotated[int, Field(ge=-(2**31 - 1), le=2**31 - 1), _Integral] | None,
+                      Field(description="lower runs first (with the priority policy)")]
 
 
 class _Sampling(_Strict):
@@ -136,6 +139,7 @@ class _Sampling(_Strict):
     seed: _Seed = None
     stop: _Stop = None
     ignore_eos: bool | None = None
+    priority: _Priority = None
 
     @field_validator("stop")
     @classmethod
