@@ -44,6 +44,10 @@ class Ranks:
 
     def __init__(self, processes: list[Any]) -> None:
         self.processes = processes
+        # Several threads may ask how a rank ended at once (the loop's watcher, the thread
+        # whose collective failed); reaping a child twice at once would lose its status.
+        self._lock = threading.Lock()
+        self._ended: dict[int, str] = {}
 
     @classmethod
     def launch(cls, size: int, backend: str, entry: Callable[..., None],
@@ -102,11 +106,15 @@ class Ranks:
 
     def describe(self, rank: int) -> str | None:
         """Rank ``rank``'s exit in words, once its process has exited."""
-        process = self.processes[rank - 1]
-        process.join(0.5)  # reap it: its exit status says how it ended
-        if process.exitcode is None:
-            return None
-        return f"rank {rank} (pid {process.pid}) {describe_exit(process.exitcode)}"
+        with self._lock:
+            if rank not in self._ended:
+                process = self.processes[rank - 1]
+                process.join(0.5)  # reap it: its exit status says how it ended
+                if process.exitcode is None:
+                    return None
+                self._ended[rank] = (f"rank {rank} (pid {process.pid}) "
+                                     f"{describe_exit(process.exitcode)}")
+            return self._ended[rank]
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """Wait up to ``timeout`` seconds for the ranks to exit (rank 0 has told them to
