@@ -145,9 +145,13 @@ class AsyncEngine:
         ranks, self._ranks = self._ranks, None
         if ranks is None:
             return
-        ranks.stop(timeout=5.0 if failed else STOP_TIMEOUT)
         import torch.distributed as dist
 
+        # Every rank leaves the group together (NCCL's teardown waits for the others),
+        # then their processes exit.
+        if dist.is_initialized() and not failed:
+            dist.destroy_process_group()
+        ranks.stop(timeout=5.0 if failed else STOP_TIMEOUT)
         if dist.is_initialized():
             dist.destroy_process_group()
 
