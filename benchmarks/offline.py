@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from asyncinfer.bench.offline import SHAPES, run_offline
+from asyncinfer.bench.offline import DEFAULTS_HERE, SHAPES, run_offline
 from benchmarks.util import git_commit, write_report
 from benchmarks.workloads import cpu_offline
 
@@ -125,12 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-python", default=None,
                          help="python of a venv with vLLM (benchmarks/setup_vllm_cpu.sh makes one)")
     parser.add_argument("--json", default=None, help="write the results to this file")
-    add_engine_arguments(parser, title="engine options", defaults_here={
-        "device": "cpu on the cpu workload, cuda on the gpu one",
-        "max_running_requests": "64 on the cpu workload, 256 on the gpu one",
-        "max_extend_tokens": "the engine's on cpu, 16384 on gpu",
-        "max_seq_len": "2048",
-        "load_format": "auto; dummy with --shape"})
+    add_engine_arguments(parser, title="engine options", defaults_here=DEFAULTS_HERE)
     return parser
 
 

@@ -47,6 +47,15 @@ WORKLOADS: dict[str, tuple[tuple[int, tuple[int, int], tuple[int, int]], float,
 }
 
 
+# The engine options whose defaults the workloads set, as the flags' help says them.
+DEFAULTS_HERE = {
+    "device": "cpu on the cpu workload, cuda on the gpu one",
+    "max_running_requests": "64 on the cpu workload, 256 on the gpu one",
+    "max_extend_tokens": "the engine's on cpu, 16384 on gpu",
+    "max_seq_len": "2048",
+    "load_format": "auto; dummy with --shape"}
+
+
 def shape_dir(name: str, root: Path) -> Path:
     """A model directory holding only the config.json of a known shape."""
     path = root / name
@@ -139,11 +148,6 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=None,
                         help="default: the workload's (0 on cpu, 0.6 on gpu)")
     parser.add_argument("--json", default=None, help="also write the result to this file")
-    add_engine_arguments(parser, title="engine options", defaults_here={
-        "device": "cpu on the cpu workload, cuda on the gpu one",
-        "max_running_requests": "64 on the cpu workload, 256 on the gpu one",
-        "max_extend_tokens": "the engine's on cpu, 16384 on gpu",
-        "max_seq_len": "2048",
-        "load_format": "auto; dummy with --shape"})
+    add_engine_arguments(parser, title="engine options", defaults_here=DEFAULTS_HERE)
     parser.set_defaults(func=main)
     return parser
