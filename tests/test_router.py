@@ -77,7 +77,8 @@ def test_the_router_knows_the_served_model(replicas: tuple[str, list[str]]) -> N
     router, workers = replicas
     assert [m["id"] for m in get_json(f"{router}/v1/models")["data"]] == [NAME]
     info = get_json(f"{workers[0]}/server_info")
-    assert (info["served_model_name"], info["tp_size"], info["dp_size"]) == (NAME, 1, 1)
+    assert (info["served_model_name"], info["tp_size"], info["dp_size"], info["policy"]) == (
+        NAME, 1, 1, "prefill_first")
     model = get_json(f"{workers[0]}/model_info")
     assert model["is_generation"] is True and model["architectures"] == ["LlamaForCausalLM"]
     [load] = get_json(f"{workers[0]}/get_load")  # one data-parallel rank

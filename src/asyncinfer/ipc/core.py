@@ -227,7 +227,8 @@ async def _serve(engine: Any, addresses: msg.Addresses, fronts: int, ready: Conn
     unwatch = watch_exit(parent, orphaned)
     ready.send(msg.CoreInfo(os.getpid(), engine.model_name, engine.config.model,
                             engine.context_len, engine.runner.num_pages,
-                            engine.runner.page_size))
+                            engine.runner.page_size, engine.policy.name,
+                            engine.runner.tp.size))
     ready.close()
     try:
         await core.run()

@@ -112,6 +112,8 @@ class CoreInfo:
     context_len: int
     kv_pages_total: int
     page_size: int = 16
+    policy: str = ""
+    tp_size: int = 1
 
 
 encode = msgspec.msgpack.Encoder().encode

@@ -243,8 +243,8 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
         unwatch.append(watch_exit(_pid(child), _front_exit(child, stop, fail)))
     runner: web.AppRunner | None = None
     try:
-        worker = WorkerInfo.from_model_dir(info.model_dir, args.tensor_parallel_size or 1,
-                                           args.policy, info.page_size)
+        worker = WorkerInfo.from_model_dir(info.model_dir, info.tp_size, info.policy,
+                                           info.page_size)
         app = create_app(client, api_key=args.api_key,
                          served_model_name=args.served_model_name, options=server_options(args),
                          worker=worker)
