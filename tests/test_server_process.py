@@ -313,6 +313,28 @@ async def test_two_api_workers_serve_and_stop_together(case: tuple[Path, tuple[s
             proc.kill()
 
 
+async def all_unavailable(session: Any, url: str, wholes: list[Any], stream: Any,
+                          body: dict[str, Any]) -> list[str]:
+    """Every whole response 503 ``engine_unavailable``, the stream's last frame that error
+    before [DONE], and a new request 503 too; the whole responses' messages."""
+    import aiohttp
+
+    messages = []
+    for whole in wholes:
+        response = await whole
+        assert response.status == 503
+        error = (await response.json())["error"]
+        assert error["code"] == "engine_unavailable"
+        messages.append(error["message"])
+    events = [e for e in (await stream.text()).split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["error"]["code"] == "engine_unavailable"
+    with contextlib.suppress(aiohttp.ClientError):
+        async with session.post(f"{url}/v1/completions", json=body) as late:
+            assert late.status == 503
+    return messages
+
+
 async def test_a_killed_engine_core_gets_503s_within_a_second_and_no_process_left(
         served_model: Path) -> None:
     """kill -9 of the core under load: the streams in flight end with a 503 error frame, the
@@ -335,17 +357,7 @@ async def test_a_killed_engine_core_gets_503s_within_a_second_and_no_process_lef
             await stream.content.readline()
             os.kill(core, signal.SIGKILL)
             start = time.monotonic()
-            for whole in wholes:
-                response = await whole
-                assert response.status == 503
-                assert (await response.json())["error"]["code"] == "engine_unavailable"
-            events = [e for e in (await stream.text()).split("\n\n") if e]
-            assert events[-1] == "data: [DONE]"
-            assert json.loads(events[-2][len("data: "):])["error"]["code"] == (
-                "engine_unavailable")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with session.post(f"{url}/v1/completions", json=long) as late:
-                    assert late.status == 503
+            await all_unavailable(session, url, wholes, stream, long)
             assert time.monotonic() - start < 1.0
         code = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
         assert code != 0
@@ -378,18 +390,8 @@ async def test_a_killed_tensor_parallel_rank_stops_every_rank_with_503s(
             assert stream.status == 200
             await stream.content.readline()
             os.kill(rank1, signal.SIGKILL)
-            response = await whole
-            assert response.status == 503
-            error = (await response.json())["error"]
-            assert error["code"] == "engine_unavailable"
-            assert f"rank 1 (pid {rank1}) was killed by SIGKILL" in error["message"]
-            events = [e for e in (await stream.text()).split("\n\n") if e]
-            assert events[-1] == "data: [DONE]"
-            assert json.loads(events[-2][len("data: "):])["error"]["code"] == (
-                "engine_unavailable")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with session.post(f"{url}/v1/completions", json=long) as late:
-                    assert late.status == 503
+            [message] = await all_unavailable(session, url, [whole], stream, long)
+            assert f"rank 1 (pid {rank1}) was killed by SIGKILL" in message
         code = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
         assert code != 0
         log = proc.stderr.read() if proc.stderr else ""

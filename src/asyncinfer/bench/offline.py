@@ -19,21 +19,18 @@ from pathlib import Path
 from typing import Any
 
 # Model shapes (their config.json, shape only) for runs with dummy weights.
+_QWEN3_0_6B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+    "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
+    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"}
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-        "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
-        "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
-        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"},
-    "qwen3-8b": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
-        "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
-        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"},
+    "qwen3-0.6b": _QWEN3_0_6B,
+    "qwen3-8b": {**_QWEN3_0_6B, "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "tie_word_embeddings": False},
 }
 
 # Per workload: (requests, prompt lengths, output lengths), temperature, engine defaults.

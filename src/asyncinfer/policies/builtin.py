@@ -49,6 +49,14 @@ def _as_float(value: Any) -> Any:
     return float(value) if _is_number(value) else value
 
 
+def _by(view: SchedulerView, key: Callable[[WaitingRequest], float]
+        ) -> list[WaitingRequest]:
+    """The waiting requests by ``key``, lowest first; ties in arrival order (a request's
+    position in ``view.waiting``), the tie-break every rank agrees on."""
+    return [req for _, req in sorted(enumerate(view.waiting),
+                                     key=lambda item: (key(item[1]), item[0]))]
+
+
 def _fcfs(view: SchedulerView) -> Decision:
     return Decision.prefill((req.uid for req in view.waiting), "stop")
 
@@ -155,9 +163,7 @@ class SkipAhead:
         """Prefill by priority (skipping misfits), or old requests first (stopping)."""
         if not view.waiting:
             return Decision.decode()
-        # Position in view.waiting is arrival order: the tie-break every rank agrees on.
-        by_priority = [req for _, req in sorted(
-            enumerate(view.waiting), key=lambda item: (-self.priority(item[1]), item[0]))]
+        by_priority = _by(view, lambda req: -self.priority(req))
         # Compared in whole rounds, so "old" is exactly the documented old_after.
         old = [req for req in view.waiting if req.waited_rounds >= self.old_after]
         if not old:
@@ -217,9 +223,7 @@ class Priority:
         """Prefill by effective priority (stopping at a misfit), preempting for it."""
         if not view.waiting:
             return Decision.decode()
-        # Position in view.waiting is arrival order: the tie-break every rank agrees on.
-        order = [req for _, req in sorted(enumerate(view.waiting),
-                                          key=lambda item: (self.effective(item[1]), item[0]))]
+        order = _by(view, self.effective)
         victims = _preemptions(order, view) if self.preempt else ()
         return Decision.prefill((req.uid for req in order), "stop", victims)
 
