@@ -181,7 +181,7 @@ class Priority:
     Order: a waiting request's effective priority is ``priority - aging * waited_rounds``;
     candidates go lowest first (ties by arrival), and admission stops at the first that does
     not fit, so nothing overtakes it. Preemption (option ``preempt``, on by default): when
-    the first candidates lack a request slot or pages, running requests whose own priority
+    the first candidates lack a request slot, running requests whose own priority
     is strictly worse than the candidate's (the worst first, the latest arrival among
     equals) are named in the Decision; the scheduler sends them back to the queue (their
     computed pages stay in the prefix cache) and they later continue where they stopped,
@@ -229,9 +229,9 @@ class Priority:
 
 
 def _preemptions(order: list[WaitingRequest], view: SchedulerView) -> tuple[int, ...]:
-    """The running requests to preempt so the first candidates of ``order`` fit: for each
-    candidate in turn (within a round's token budget), while it lacks a slot or pages, the
-    worst running request of a strictly worse priority."""
+    """The running requests to preempt so the first candidates of ``order`` get a request
+    slot: for each candidate in turn (within a round's token budget), while no slot is free,
+    the worst running request of a strictly worse priority."""
     pool = sorted(view.running, key=lambda r: (-r.priority, -r.arrival_round, -r.uid))
     slots, pages, budget = view.free_slots, view.free_pages, view.token_budget
     chosen: list[int] = []
@@ -243,7 +243,9 @@ def _preemptions(order: list[WaitingRequest], view: SchedulerView) -> tuple[int,
             continue
         chunk = min(req.prefill_remaining, budget)
         need = -(-(chunk + 1) // view.page_size)
-        while (slots < 1 or pages < need) and pool and pool[0].priority > req.priority:
+        # Only a missing slot preempts: pages the scheduler may still hold back for running
+        # requests are not the policy's to count, and preempting for them could cycle.
+        while slots < 1 and pool and pool[0].priority > req.priority:
             victim = pool.pop(0)
             chosen.append(victim.uid)
             slots += 1
