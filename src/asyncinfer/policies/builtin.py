@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from attrs import Attribute, field, frozen
 
 from asyncinfer.errors import ConfigError
-from asyncinfer.policies.base import Decision, SchedulerView, WaitingRequest
+from asyncinfer.policies.base import Decision, RunningRequest, SchedulerView, WaitingRequest
 
 _Validator = Callable[[Any, "Attribute[Any]", Any], None]
 
@@ -181,13 +181,15 @@ class Priority:
     Order: a waiting request's effective priority is ``priority - aging * waited_rounds``;
     candidates go lowest first (ties by arrival), and admission stops at the first that does
     not fit, so nothing overtakes it. Preemption (option ``preempt``, on by default): when
-    the first candidates lack a request slot, running requests whose own priority
-    is strictly worse than the candidate's (the worst first, the latest arrival among
-    equals) are named in the Decision; the scheduler sends them back to the queue (their
-    computed pages stay in the prefix cache) and they later continue where they stopped,
-    with the tokens they would have produced anyway. Equal priorities never preempt each
-    other, so requests cannot take turns evicting each other. It prefills whenever anything
-    waits, like prefill_first.
+    the first candidates lack a request slot, running requests worse than the candidate
+    both in priority and in effective priority (aged the same way, from their arrival) are
+    named in the Decision, the worst effective priority first; the scheduler sends them back
+    to the queue (their computed pages stay in the prefix cache) and they later continue
+    where they stopped, with the tokens they would have produced anyway. Equal priorities
+    never preempt each other, and since effective priorities keep their order as rounds
+    pass (all age alike), a request never preempts one that preempted it: requests cannot
+    take turns evicting each other, and the best-ordered request always finishes. It
+    prefills whenever anything waits, like prefill_first.
 
     Options: ``aging`` (>= 0, default 0.0625: one priority level per 16 rounds of waiting);
     ``preempt`` (default true).
@@ -224,15 +226,20 @@ class Priority:
         if not view.waiting:
             return Decision.decode()
         order = _by(view, self.effective)
-        victims = _preemptions(order, view) if self.preempt else ()
+        victims = _preemptions(order, view, self.effective, self.aging) if self.preempt else ()
         return Decision.prefill((req.uid for req in order), "stop", victims)
 
 
-def _preemptions(order: list[WaitingRequest], view: SchedulerView) -> tuple[int, ...]:
+def _preemptions(order: list[WaitingRequest], view: SchedulerView,
+                 effective: Callable[[WaitingRequest], float], aging: float) -> tuple[int, ...]:
     """The running requests to preempt so the first candidates of ``order`` get a request
     slot: for each candidate in turn (within a round's token budget), while no slot is free,
-    the worst running request of a strictly worse priority."""
-    pool = sorted(view.running, key=lambda r: (-r.priority, -r.arrival_round, -r.uid))
+    the running request of the worst effective priority among those worse than the
+    candidate in both priority and effective priority."""
+    def aged(r: RunningRequest) -> float:
+        return r.priority - aging * (view.round - r.arrival_round)
+
+    pool = sorted(view.running, key=lambda r: (-aged(r), -r.arrival_round, -r.uid))
     slots, pages, budget = view.free_slots, view.free_pages, view.token_budget
     chosen: list[int] = []
     for req in order:
@@ -243,10 +250,15 @@ def _preemptions(order: list[WaitingRequest], view: SchedulerView) -> tuple[int,
             continue
         chunk = min(req.prefill_remaining, budget)
         need = -(-(chunk + 1) // view.page_size)
+        mine = effective(req)
         # Only a missing slot preempts: pages the scheduler may still hold back for running
         # requests are not the policy's to count, and preempting for them could cycle.
-        while slots < 1 and pool and pool[0].priority > req.priority:
-            victim = pool.pop(0)
+        while slots < 1:
+            victim = next((r for r in pool if r.priority > req.priority and aged(r) > mine),
+                          None)
+            if victim is None:
+                break
+            pool.remove(victim)
             chosen.append(victim.uid)
             slots += 1
             pages += -(-victim.seq_len // view.page_size)
