@@ -134,6 +134,10 @@ class AsyncEngine:
             self.sync.closing = True
             with contextlib.suppress(Exception):
                 self.sync.share([None])
+        if self.sync is not None:
+            # CUDA graphs hold the collectives they captured: free them while every rank
+            # is still here, before the group is torn down.
+            self.runner.release_graphs()
         self._stop_ranks(failed)
         if self._froze_gc:
             gc.unfreeze()
@@ -363,6 +367,12 @@ def _follow(rank: int, options: dict[str, Any]) -> None:
     engine = AsyncEngine(model, skip_tokenizer_init=True, **options)
     logger.info("rank %d ready", rank)
     new_event_loop().run_until_complete(engine.follow())
+    import torch.distributed as dist
+
+    # Rank 0 leaves the group as it stops, and NCCL's teardown waits for every rank: leave
+    # it here too, rather than at interpreter exit.
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -24,6 +24,7 @@ Off CUDA there is nothing to enqueue onto: the whole forward runs inside the ret
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -156,6 +157,18 @@ class ModelRunner:
                     else "", backend_name,
                     self.graphs.decode_sizes if self.graphs else "off",
                     (self.graphs.prefill_sizes or "off") if self.graphs else "off")
+
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graphs (the engine is stopping; eager forwards remain):
+        what they captured, tensor-parallel collectives included, is freed now."""
+        if self.graphs is None:
+            return
+        self.graphs = None
+        if self.stream is not None:
+            self.stream.synchronize()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @property
     def logits_dtype(self) -> torch.dtype:
