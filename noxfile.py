@@ -13,7 +13,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 # A CPU build of torch lies on these machines' disk; an unpinned torch would pull CUDA.
 CPU_TORCH = "torch==2.13.0"
-PLUGINS = ["policies/shortest-prompt-first"]
+PLUGINS = ["policies/shortest-prompt-first", "policies/vtc"]
 PLUGIN_TESTS = [f"{plugin}/tests" for plugin in PLUGINS]
 
 

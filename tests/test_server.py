@@ -186,6 +186,8 @@ BAD_INPUTS = [
     (C, {"prompt": "hi", "priority": 1.5}, 400, "priority", None),
     (C, {"prompt": "hi", "priority": "high"}, 400, "priority", None),
     (C, {"prompt": "hi", "priority": True}, 400, "priority", None),
+    (C, {"prompt": "hi", "user": 7}, 400, "user", None),
+    (C, {"prompt": "hi", "user": "u" * 257}, 400, "user", None),
     (C, {"prompt": "hi", "stop": 5}, 400, "stop", None),
     (C, {"prompt": "hi", "stop": [""]}, 400, "stop", None),
     (C, {"prompt": "hi", "n": 2}, 400, "n", None),
@@ -307,6 +309,20 @@ async def test_completion_response_shape_and_usage(client: TestClient,
                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert engine.params[0] == SamplingParams(max_tokens=4, temperature=0, top_k=5, min_p=0.1,
                                               seed=3, stop="zz", ignore_eos=True, priority=-2)
+
+
+async def test_the_tenant_is_the_x_tenant_header_else_the_user_field(
+        client: TestClient, engine: StubEngine) -> None:
+    await client.post(C, json={"prompt": "hi", "user": "alice"})
+    await client.post(CHAT, json={"messages": OK_CHAT, "user": "alice"},
+                      headers={"X-Tenant": "team-b"})
+    await client.post("/generate", json={"prompt": "hi", "sampling_params": {"tenant": "c"}})
+    await client.post(C, json={"prompt": "hi"})
+    assert [p.tenant for p in engine.params] == ["alice", "team-b", "c", ""]
+    resp = await client.post(C, json={"prompt": "hi"}, headers={"X-Tenant": "t" * 257})
+    assert resp.status == 400
+    assert assert_error_shape(await resp.json())["param"] == "X-Tenant"
+    assert len(engine.params) == 4
 
 
 async def test_a_single_prompt_in_a_list_is_accepted(client: TestClient,

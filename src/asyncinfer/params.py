@@ -21,6 +21,7 @@ MAX_TEMPERATURE = 100.0
 # Integer fields go into int32 or int64 tensors and counters: keep them in a range that fits.
 MAX_INT32 = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)   # two's-complement or unsigned 64 bits (taken mod 2**64)
+MAX_TENANT_CHARS = 256              # a tenant name, as the OpenAI `user` field or a header
 
 
 def _check(cond: bool, param: str, message: str) -> None:
@@ -45,7 +46,10 @@ class SamplingParams:
     ``min_p == 0`` disable their filters; a ``top_k`` at least the vocabulary size disables it
     too. A ``seed`` (any integer in 64 bits, signed or not) makes the request's samples
     independent of what else is batched. ``priority`` (an integer, lower first, as vLLM's)
-    is read by policies that order by it, such as ``priority``; others ignore it.
+    is read by policies that order by it, such as ``priority``; others ignore it. ``tenant``
+    names whom the request is served for (the OpenAI ``user`` field or an ``X-Tenant``
+    header on the server; at most ``MAX_TENANT_CHARS`` characters); fair-share policies such
+    as ``vtc`` share the engine between tenants, others ignore it.
     Out-of-range values raise :class:`~asyncinfer.errors.InvalidRequestError` naming the
     field.
     """
@@ -60,6 +64,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    tenant: str = ""
 
     def __attrs_post_init__(self) -> None:
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32, "max_tokens",
@@ -79,6 +84,9 @@ class SamplingParams:
                "seed", f"must be null or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         _check(_is_int(self.priority) and -MAX_INT32 <= self.priority <= MAX_INT32, "priority",
                f"must be an integer in [{-MAX_INT32}, {MAX_INT32}], got {self.priority!r}")
+        _check(isinstance(self.tenant, str) and len(self.tenant) <= MAX_TENANT_CHARS, "tenant",
+               f"must be a string of at most {MAX_TENANT_CHARS} characters, "
+               f"got {self.tenant!r:.80}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                f"must be a non-empty string or a list of them, got {self.stop!r}")
 

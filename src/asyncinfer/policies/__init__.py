@@ -5,6 +5,7 @@ from asyncinfer.policies.base import (
     Policy,
     RunningRequest,
     SchedulerView,
+    TenantService,
     WaitingRequest,
 )
 from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, Priority, SkipAhead
@@ -19,6 +20,7 @@ __all__ = [
     "RunningRequest",
     "SchedulerView",
     "SkipAhead",
+    "TenantService",
     "WaitingRequest",
     "load_policy",
 ]

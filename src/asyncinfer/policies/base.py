@@ -25,6 +25,7 @@ class WaitingRequest:
     chunked: bool               # part of its prompt is computed already (chunked prefill)
     priority: int = 0           # the request's priority (lower first; SamplingParams)
     preemptions: int = 0        # times it was sent back from the running set
+    tenant: str = ""            # whom it is for (SamplingParams.tenant)
 
 
 @frozen
@@ -36,6 +37,21 @@ class RunningRequest:
     remaining_tokens: int       # output tokens it may still produce
     priority: int = 0           # the request's priority (lower first; SamplingParams)
     arrival_round: int = 0      # the scheduler round in which it arrived
+    tenant: str = ""            # whom it is for (SamplingParams.tenant)
+
+
+@frozen
+class TenantService:
+    """Tokens served to one tenant since the policy was last asked.
+
+    A request's prompt counts once, in full, in the round it is first admitted (a preempted
+    request's recompute is not counted again); each output token counts in the round its
+    result is processed. Summed over views, that is everything the tenant was served.
+    """
+
+    tenant: str
+    input_tokens: int
+    output_tokens: int
 
 
 @frozen
@@ -50,6 +66,7 @@ class SchedulerView:
     page_size: int
     round: int                             # logical clock: batches run so far
     decode_streak: int                     # decode rounds in a row just before this one
+    served: tuple[TenantService, ...] = ()  # since the last decision, by tenant name
 
 
 @frozen

@@ -31,6 +31,7 @@ from asyncinfer.policies.base import (
     Policy,
     RunningRequest,
     SchedulerView,
+    TenantService,
     WaitingRequest,
 )
 from asyncinfer.scheduler.cache import CacheManager
@@ -78,6 +79,8 @@ class Scheduler:
         # with the batch they wait for: with overlap, batch N+1 runs while N is processed.
         self._deferred: list[tuple[int, Req, bool]] = []
         self._suspects: set[int] = set()        # uids of suspects (see recover)
+        # Tokens served per tenant since the policy was last asked: [input, output].
+        self._served: dict[str, list[int]] = {}
 
     # ---- receive -------------------------------------------------------------------------
 
@@ -206,10 +209,10 @@ class Scheduler:
             waiting=tuple(
                 WaitingRequest(r.uid, r.seq_len, r.seq_len - r.cached_len, r.remaining_tokens,
                                r.arrival_round, self.round - r.arrival_round, r.admitted,
-                               r.params.priority, r.preemptions)
+                               r.params.priority, r.preemptions, r.params.tenant)
                 for r in self.waiting),
             running=tuple(RunningRequest(r.uid, r.seq_len, r.remaining_tokens,
-                                         r.params.priority, r.arrival_round)
+                                         r.params.priority, r.arrival_round, r.params.tenant)
                           for r in self._running_in_uid_order()),
             free_pages=max(0, self.cache.available_pages - reserved),
             free_slots=self.table.num_free,
@@ -217,6 +220,7 @@ class Scheduler:
             page_size=self.engine.page_size,
             round=self.round,
             decode_streak=self.decode_streak,
+            served=tuple(TenantService(t, *self._served[t]) for t in sorted(self._served)),
         )
 
     def schedule(self) -> ScheduledBatch | None:
@@ -234,7 +238,9 @@ class Scheduler:
         if suspect is not None:
             batch = self._schedule_alone(suspect)
         else:
-            decision = self.last_decision = self.policy.decide(self.view())
+            view = self.view()
+            self._served.clear()  # the policy has seen it
+            decision = self.last_decision = self.policy.decide(view)
             batch = self._schedule_prefill(decision) if decision.action == "prefill" else None
         if batch is None:
             batch = self._schedule_decode()
@@ -278,6 +284,8 @@ class Scheduler:
                 req.take_row(row)
                 self.engine.write_prompt(row, req.token_ids())
                 self.cache.admit(req)
+                if req.preemptions == 0:  # its first admission: the prompt is served once
+                    self._served.setdefault(req.params.tenant, [0, 0])[0] += len(req.prompt_ids)
             self.cache.allocate(req, end)
         reqs = [req for req, _ in adder.admitted]
         ends = [end for _, end in adder.admitted]
@@ -349,6 +357,10 @@ class Scheduler:
                 req.suspect = False
                 self._suspects.discard(req.uid)
             req.output_ids.append(token)
+            served = self._served.get(req.params.tenant)
+            if served is None:
+                served = self._served[req.params.tenant] = [0, 0]
+            served[1] += 1
             reason: FinishReason | None = None
             if token in self.eos_token_ids and not req.params.ignore_eos:
                 reason = "stop"

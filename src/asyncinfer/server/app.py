@@ -187,6 +187,9 @@ class _Encoder:
         return await asyncio.get_running_loop().run_in_executor(self.pool, work)
 
 
+# The header a gateway names the tenant in; it takes precedence over a body's ``user``.
+TENANT_HEADER = "X-Tenant"
+
 Parse = Callable[[dict[str, Any], openai.TextEncoder, protocol.Limits],
                  Awaitable[openai.GenerationRequest]]
 
@@ -257,6 +260,9 @@ class _Routes:
         try:
             body = await _json_body(call.request, self.options.body_timeout)
             gen = await parse(body, self.encoder, self.limits)
+            tenant = call.request.headers.get(TENANT_HEADER)
+            if tenant is not None:  # a gateway's word over the body's ``user``
+                gen = openai.with_tenant(gen, tenant, TENANT_HEADER)
         finally:
             self.state.admitting -= 1
         if self.state.draining:  # the drain began while the body arrived or was tokenized

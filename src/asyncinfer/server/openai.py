@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from attrs import frozen
+from attrs import evolve, frozen
 
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import SamplingParams
@@ -100,6 +100,14 @@ def check_length(ids: list[int], context_len: int, param: str) -> None:
         raise bad_request(f"the prompt has {len(ids)} tokens but the context length is "
                           f"{context_len} tokens (prompt and at least one output token must "
                           f"fit)", param, "context_length_exceeded")
+
+
+def with_tenant(gen: GenerationRequest, tenant: str, param: str) -> GenerationRequest:
+    """``gen`` for ``tenant`` (from ``param``, a header), checked as the body's is."""
+    try:
+        return evolve(gen, params=gen.params.replace(tenant=tenant))
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc).replace("tenant", param, 1), param) from exc
 
 
 def _params(options: Mapping[str, Any], max_tokens: int, max_tokens_param: str

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from asyncinfer.params import MIN_TEMPERATURE
+from asyncinfer.params import MAX_TENANT_CHARS, MIN_TEMPERATURE
 from asyncinfer.server.errors import APIError, bad_request
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -129,6 +129,11 @@ _Priority = Annotated[Annotated[int, Field(ge=-(2**31 - 1), le=2**31 - 1), _Inte
                       Field(description="lower runs first (with the priority policy)")]
 
 
+# Whom the request is for: fair-share policies (vtc) share the engine between tenants.
+_Tenant = Annotated[str | None, Field(max_length=MAX_TENANT_CHARS,
+                                      description="the tenant, for fair-share policies")]
+
+
 class _Sampling(_Strict):
     """The sampling fields every generation route takes, with their ranges."""
 
@@ -164,7 +169,7 @@ class _OpenAISampling(_Sampling):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: _One = None
-    user: str | None = None
+    user: _Tenant = None
     # Not implemented: refused unless unset or at their default (see _refuse_unsupported).
     echo: bool | None = None
     best_of: int | None = None
@@ -184,6 +189,13 @@ class _OpenAISampling(_Sampling):
             if getattr(self, name) not in unset:
                 raise APIError(400, f"{name} is not supported by this server", param=name)
         return self
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The SamplingParams keyword options the body sets, ``user`` as the tenant."""
+        options = super().sampling_options()
+        if self.user is not None:
+            options["tenant"] = self.user
+        return options
 
     @property
     def include_usage(self) -> bool:
@@ -305,6 +317,14 @@ class NativeSampling(_Sampling):
 
     max_tokens: _MaxTokens = None
     skip_special_tokens: bool | None = None
+    tenant: _Tenant = None
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The SamplingParams keyword options the body sets (``max_tokens`` aside)."""
+        options = super().sampling_options()
+        if self.tenant is not None:
+            options["tenant"] = self.tenant
+        return options
 
     @field_validator("max_tokens")
     @classmethod

@@ -1,0 +1,137 @@
+"""Per-tenant fair share: the Virtual Token Counter (Sheng et al., OSDI'24) as an asyncinfer
+policy, found through its entry point."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Any, ClassVar
+
+from attrs import Attribute, define, field
+
+from asyncinfer.errors import ConfigError
+from asyncinfer.policies import Decision, SchedulerView, WaitingRequest
+
+__all__ = ["VTC", "service_bound"]
+
+
+def _weight(policy: Any, attribute: Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise ConfigError(f"{policy.name}: option {attribute.name} must be a finite number "
+                          f"> 0, got {value!r}")
+
+
+def _positive_int(policy: Any, attribute: Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{policy.name}: option {attribute.name} must be an integer >= 1, "
+                          f"got {value!r}")
+
+
+def service_bound(w_in: float, w_out: float, max_input_len: int, kv_tokens: int) -> float:
+    """The paper's bound on the service gap between two tenants backlogged over the same
+    interval: ``2 * max(w_in * L_in, w_out * M)``, with ``L_in`` the longest prompt and
+    ``M`` the tokens the running batch can hold (the KV cache's pages times their size):
+    the running requests of one tenant can produce no more than that before they finish
+    and a waiting tenant's request gets in."""
+    return 2 * max(w_in * max_input_len, w_out * kv_tokens)
+
+
+@define
+class VTC:
+    """Serve tenants in turn by the service they got: the lowest virtual counter goes next.
+
+    A tenant's counter grows by ``w_in`` per prompt token admitted and ``w_out`` per output
+    token produced (``SchedulerView.served``). Each prefill lists the waiting requests as
+    the paper's admission loop would take them: the head request (earliest) of the tenant
+    with the lowest counter, whose counter then grows by its prompt, and again; admission
+    stops at the first that does not fit. A tenant that starts waiting again has its
+    counter lifted to the lowest counter among the tenants already waiting (or, when none
+    was, to that of the last ones that were), so idling earns no credit to spend later.
+    It prefills whenever anything waits, like prefill_first.
+
+    The tenant is ``SamplingParams.tenant``: the OpenAI ``user`` field or the ``X-Tenant``
+    header on the server; requests without one share the tenant ``""``.
+
+    Options: ``w_in`` (> 0, default 1) and ``w_out`` (> 0, default 2), the cost of an input
+    and an output token; ``max_tenants`` (>= 1, default 65536), counters remembered for
+    tenants with nothing waiting or running (the least recently served are forgotten
+    first, as if new).
+
+    Bound: over any interval in which two tenants both have requests waiting, the service
+    each gets (``w_in`` per admitted prompt token plus ``w_out`` per output token) differs by
+    at most :func:`service_bound`: ``2 * max(w_in * L_in, w_out * M)``, ``M`` the tokens
+    the KV cache holds.
+    """
+
+    name: ClassVar[str] = "vtc"
+    options: ClassVar[dict[str, str]] = {
+        "w_in": "cost of one input (prompt) token (> 0)",
+        "w_out": "cost of one output token (> 0)",
+        "max_tenants": "counters kept for tenants with no request (>= 1)",
+    }
+
+    w_in: float = field(default=1.0, validator=_weight)
+    w_out: float = field(default=2.0, validator=_weight)
+    max_tenants: int = field(default=65536, validator=_positive_int)
+    # Counters by tenant, least recently served first (dicts keep insertion order).
+    _counters: dict[str, float] = field(factory=dict, init=False, repr=False)
+    _waiting: frozenset[str] = field(default=frozenset(), init=False, repr=False)
+    _floor: float = field(default=0.0, init=False, repr=False)
+
+    def counter(self, tenant: str) -> float:
+        """The tenant's virtual counter (0 for one never seen or forgotten)."""
+        return self._counters.get(tenant, 0.0)
+
+    def decide(self, view: SchedulerView) -> Decision:
+        """Account what was served, lift tenants that start waiting, then prefill by counter."""
+        counters = self._counters
+        for s in view.served:
+            cost = self.w_in * s.input_tokens + self.w_out * s.output_tokens
+            counters[s.tenant] = counters.pop(s.tenant, 0.0) + cost
+        waiting = frozenset(r.tenant for r in view.waiting)
+        arrived = waiting - self._waiting
+        if arrived:
+            stayed = waiting & self._waiting
+            floor = min(counters.get(t, 0.0) for t in stayed) if stayed else self._floor
+            for tenant in sorted(arrived):
+                counters[tenant] = max(counters.pop(tenant, 0.0), floor)
+        if waiting:
+            self._floor = min(counters[t] for t in waiting)
+        self._waiting = waiting
+        if len(counters) > self.max_tenants:
+            self._forget(view)
+        if not view.waiting:
+            return Decision.decode()
+        return Decision.prefill(self._order(view), "stop")
+
+    def _order(self, view: SchedulerView) -> list[int]:
+        """Candidates as repeated picks of the lowest counter, each charged its prompt; no
+        more than the free request slots could take (plus those already holding one)."""
+        queues: dict[str, list[WaitingRequest]] = {}
+        for req in view.waiting:
+            queues.setdefault(req.tenant, []).append(req)
+        limit = view.free_slots + sum(r.chunked for r in view.waiting) + 1
+        position = {r.uid: i for i, r in enumerate(view.waiting)}
+        heap = [(self._counters[t], position[q[0].uid], t) for t, q in queues.items()]
+        heapq.heapify(heap)
+        heads = dict.fromkeys(queues, 0)
+        order: list[int] = []
+        while heap and len(order) < limit:
+            value, _, tenant = heapq.heappop(heap)
+            queue, i = queues[tenant], heads[tenant]
+            req = queue[i]
+            order.append(req.uid)
+            if not req.chunked and req.preemptions == 0:  # charged when first admitted
+                value += self.w_in * req.prompt_len
+            heads[tenant] = i + 1
+            if i + 1 < len(queue):
+                heapq.heappush(heap, (value, position[queue[i + 1].uid], tenant))
+        return order
+
+    def _forget(self, view: SchedulerView) -> None:
+        """Drop the least recently served counters of tenants with no request."""
+        active = self._waiting | {r.tenant for r in view.running}
+        excess = len(self._counters) - self.max_tenants
+        for tenant in [t for t in self._counters if t not in active][:excess]:
+            del self._counters[tenant]
