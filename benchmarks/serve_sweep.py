@@ -20,6 +20,17 @@ round of a decode batch of that many requests, offline), in the same machine and
 On a CPU without ``--shape`` it serves the embedded model:
 ``python -m benchmarks.serve_sweep --out docs/benchmarks/serve --rates 0.5,1,2
 --num-requests 12 --input-len 128 --output-len 32``.
+
+The workload flags of ``asyncinfer bench serve`` (``--workload chat``, ``--arrival gamma``,
+``--tenants``, ``--priorities``, ``--long-fraction`` ...; docs/workloads.md) pass through.
+With ``--capacity-fractions 0.2,0.4,..`` the rates are fractions of a measured capacity, in
+place of ``--rates``: the request throughput of the same workload sent all at once (rate
+``inf``), measured with ``--capacity-policy`` (default prefill_first) before the others, or
+with each policy for its own runs (``each``); the summary records it.
+
+    python -m benchmarks.serve_sweep --out OUT --shape qwen3-0.6b --tokenizer TOK \\
+        --policies prefill_first,priority,vtc --workload chat --tenants A:0.8,B:0.2 \\
+        --capacity-fractions 0.2,0.4,0.6,0.8,1.0,1.2 --num-requests 1000 -- --device cuda
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import argparse
 import collections
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -39,12 +51,23 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from benchmarks.util import git_commit, write_report
 
 POLICIES = ("prefill_first", "decode_first", "skip_ahead")
+# The sweep runs any registered policy; these are the ones it is meant to compare (the last
+# two are plugins: `asyncinfer policies` lists what is installed).
+KNOWN_POLICIES = (*POLICIES, "priority", "vtc", "shortest_prompt_first")
+
+# `asyncinfer bench serve` flags passed through as given (it checks them).
+WORKLOAD_FLAGS = ("input_len", "output_len", "input_len_range", "output_len_range",
+                  "workload", "input_mean", "output_mean", "arrival", "burstiness", "tenants",
+                  "tenant_rates", "priorities", "long_fraction", "long_factor",
+                  "max_input_len", "slo_ttft_ms", "slo_tpot_ms", "service_w_in",
+                  "service_w_out", "service_bucket_s", "seed")
 
 # What a main-thread sample was doing: the first rule whose text is in the stack wins.
 CATEGORIES = (
@@ -160,6 +183,38 @@ def profile(pids: dict[str, int], seconds: float, out: Path) -> list[subprocess.
     return procs
 
 
+def add_workload_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add ``WORKLOAD_FLAGS`` (but ``skip``) to ``parser``: strings, passed through."""
+    for flag in WORKLOAD_FLAGS:
+        if flag not in skip:
+            parser.add_argument("--" + flag.replace("_", "-"), default=None,
+                                help="passed to `asyncinfer bench serve`")
+
+
+def workload_flags(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
+    """The ``WORKLOAD_FLAGS`` set in ``args`` (but ``skip``), as command-line flags."""
+    flags = []
+    for flag in WORKLOAD_FLAGS:
+        value = getattr(args, flag, None)
+        if flag not in skip and value is not None:
+            flags += ["--" + flag.replace("_", "-"), str(value)]
+    return flags
+
+
+def policy_flags(policy: str, options: list[str]) -> list[str]:
+    """``--policy-opt`` flags of the server for ``policy``: each of ``options`` is
+    ``[POLICY:]KEY=VALUE``, for that policy only when named, else for every policy."""
+    flags = []
+    for option in options:
+        head, sep, rest = option.partition(":")
+        if sep and "=" not in head:
+            if head == policy:
+                flags += ["--policy-opt", rest]
+        else:
+            flags += ["--policy-opt", option]
+    return flags
+
+
 def start_server(model: str | None, policy: str, port: int, engine_flags: list[str],
                  api_workers: int, log: Path) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port),
@@ -181,23 +236,49 @@ def start_server(model: str | None, policy: str, port: int, engine_flags: list[s
     raise SystemExit(f"the server did not come up; see {log}")
 
 
+@contextlib.contextmanager
+def serving(model: str | None, policy: str, port: int, engine_flags: list[str],
+            api_workers: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``start_server``, then SIGTERM on the way out (killed if it lingers 120 s)."""
+    server = start_server(model, policy, port, engine_flags, api_workers, log)
+    try:
+        yield server
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def server_model(args: argparse.Namespace, engine_flags: list[str]
+                 ) -> tuple[str | None, list[str]]:
+    """The model directory to serve (--shape's, with dummy weights; None: the embedded
+    model) and the engine flags that go with it."""
+    if not args.shape:
+        return None, engine_flags
+    model = str(shape_model(args.shape, Path(args.tokenizer), Path(tempfile.mkdtemp())))
+    return model, ["--load-format", "dummy", *engine_flags]
+
+
 def run_rate(url: str, policy: str, rate: str, args: argparse.Namespace, out: Path,
-             pids: dict[str, int] | None) -> dict[str, Any]:
+             pids: dict[str, int] | None, name: str | None = None,
+             load: list[str] | None = None) -> dict[str, Any]:
+    """One `asyncinfer bench serve` run at ``rate`` (or the ``load`` flags given) with the
+    workload flags of ``args``, into ``out/{name}.json`` (default ``{policy}-r{rate}``);
+    its report, without the per-request rows, and the engine's counters over it."""
     before = metrics(url)
     sampler = Sampler(url)
     sampler.start()
-    report = out / f"{policy}-r{rate}.json"
+    report = out / f"{name or f'{policy}-r{rate}'}.json"
     cmd = [sys.executable, "-m", "asyncinfer.cli", "bench", "serve", "--url", url,
-           "--rate", rate, "--num-requests", str(args.num_requests), "--seed", "0",
-           "--policy", policy, "--json", str(report), "--timeout", "1800"]
-    for flag in ("input_len", "output_len", "input_len_range", "output_len_range",
-                 "slo_ttft_ms", "slo_tpot_ms"):
-        value = getattr(args, flag)
-        if value is not None:
-            cmd += ["--" + flag.replace("_", "-"), str(value)]
+           *(["--rate", rate] if load is None else load), "--num-requests", str(args.num_requests),
+           "--policy", policy, "--json", str(report), "--timeout", "1800",
+           *workload_flags(args)]
     spies = []
     if pids:
-        spies = profile(pids, args.profile_s, out)
+        spies = profile(pids, getattr(args, "profile_s", 8.0), out)
     start = time.monotonic()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     wall = time.monotonic() - start
@@ -267,26 +348,59 @@ def decode_steps(model: Path, batches: list[int], flags: list[str], prompt_len: 
     return out
 
 
-def main() -> int:
-    argv = sys.argv[1:]
-    engine_flags: list[str] = []
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The driver's own flags, and the engine flags after ``--``."""
     if "--" in argv:
-        engine_flags = argv[argv.index("--") + 1:]
-        argv = argv[: argv.index("--")]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+        return argv[: argv.index("--")], argv[argv.index("--") + 1:]
+    return argv, []
+
+
+def add_server_flags(parser: argparse.ArgumentParser, port: int) -> None:
+    """The flags of where results go and how each policy's server is started."""
     parser.add_argument("--out", required=True)
-    parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--rates", default="40,100,inf")
-    parser.add_argument("--num-requests", type=int, default=400)
-    parser.add_argument("--input-len", type=int)
-    parser.add_argument("--output-len", type=int)
-    parser.add_argument("--input-len-range")
-    parser.add_argument("--output-len-range")
-    parser.add_argument("--slo-ttft-ms", type=float)
-    parser.add_argument("--slo-tpot-ms", type=float)
     parser.add_argument("--shape", help="serve a model of this shape with dummy weights")
     parser.add_argument("--tokenizer", help="the tokenizer files of --shape's model")
     parser.add_argument("--api-workers", type=int, default=1)
+    parser.add_argument("--port", type=int, default=port,
+                        help="the first policy's server listens here, the next one port+1 ...")
+    parser.add_argument("--policy-opt", action="append", default=[],
+                        metavar="[POLICY:]KEY=VALUE",
+                        help="an option of the policy, passed to the server as --policy-opt "
+                             "(repeatable); with POLICY: only to that policy's server")
+
+
+def _fractions(text: str) -> list[float]:
+    try:
+        values = [float(f) for f in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v < math.inf for v in values):
+        raise argparse.ArgumentTypeError(f"expected fractions > 0 like 0.2,0.4,1.0, "
+                                         f"got {text!r}")
+    return values
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def main() -> int:
+    argv, engine_flags = split_argv(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_server_flags(parser, port=18631)
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help=f"comma-separated, any registered policy (default "
+                             f"{','.join(POLICIES)}; also {','.join(KNOWN_POLICIES[3:])})")
+    parser.add_argument("--rates", default="40,100,inf")
+    parser.add_argument("--capacity-fractions", type=_fractions, default=None,
+                        metavar="F,F,..",
+                        help="in place of --rates: these fractions of the capacity (the "
+                             "request throughput of the workload sent all at once)")
+    parser.add_argument("--capacity-policy", default="prefill_first",
+                        help="the policy that measures the capacity, or 'each' (every policy "
+                             "its own) (default prefill_first)")
+    parser.add_argument("--num-requests", type=int, default=400)
+    add_workload_flags(parser)
     parser.add_argument("--profile-rates", default="",
                         help="profile the processes during these rates (comma-separated)")
     parser.add_argument("--profile-policies", default="decode_first,prefill_first")
@@ -294,14 +408,12 @@ def main() -> int:
     parser.add_argument("--offline", action="store_true",
                         help="first: the GPU offline workload and the decode steps")
     parser.add_argument("--decode-batches", default="64,128,192,256")
-    parser.add_argument("--port", type=int, default=18631)
     args = parser.parse_args(argv)
+    if args.tenant_rates and args.capacity_fractions:
+        parser.error("--tenant-rates fixes the rates: leave out --capacity-fractions")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = None
-    if args.shape:
-        model = str(shape_model(args.shape, Path(args.tokenizer), Path(tempfile.mkdtemp())))
-        engine_flags = ["--load-format", "dummy", *engine_flags]
+    model, engine_flags = server_model(args, engine_flags)
     summary: dict[str, Any] = {"benchmark": "serve-sweep", "commit": git_commit(),
                                "model": f"{args.shape} (dummy weights)" if args.shape
                                else "embedded", "engine_flags": engine_flags,
@@ -319,34 +431,61 @@ def main() -> int:
         summary["offline_decode_step_ms"] = decode_steps(
             Path(model), [int(b) for b in args.decode_batches.split(",")], engine_flags, 560)
         write_report(str(out / "summary.json"), summary)
+    policies = args.policies.split(",")
+    measure_by = args.capacity_policy
+    capacity: dict[str, float] = {}
+
+    def server(policy: str, port: int) -> contextlib.AbstractContextManager[Any]:
+        return serving(model, policy, port, [*engine_flags,
+                                             *policy_flags(policy, args.policy_opt)],
+                       args.api_workers, out / f"server-{policy}.log")
+
+    def measure(url: str, policy: str) -> None:
+        result = run_rate(url, policy, "inf", args, out, None, name=f"{policy}-capacity")
+        capacity[policy] = result["request_throughput"]
+        summary["capacity"] = {"measured_by": measure_by, "fractions": args.capacity_fractions,
+                               "request_throughput": capacity}
+        print(json.dumps({"policy": policy, "capacity_req_s": round(capacity[policy], 3)}),
+              flush=True)
+
+    if args.capacity_fractions and measure_by != "each":
+        if measure_by in policies:  # measured on its own server, before the rest need it
+            policies.remove(measure_by)
+            policies.insert(0, measure_by)
+        else:
+            with server(measure_by, args.port + len(policies)):
+                measure(f"http://127.0.0.1:{args.port + len(policies)}", measure_by)
     runs = []
-    for i, policy in enumerate(args.policies.split(",")):
+    for i, policy in enumerate(policies):
         port = args.port + i
         url = f"http://127.0.0.1:{port}"
-        server = start_server(model, policy, port, engine_flags, args.api_workers,
-                              out / f"server-{policy}.log")
-        try:
-            for rate in args.rates.split(","):
+        with server(policy, port) as process:
+            rates: list[tuple[str, float | None]] = [(r, None) for r in args.rates.split(",")]
+            if args.tenant_rates:
+                rates = [("mix", None)]  # the tenants' own rates, once
+            elif args.capacity_fractions:
+                by = policy if measure_by == "each" else measure_by
+                if by not in capacity:
+                    measure(url, policy)
+                rates = [(f"{f * capacity[by]:.4g}", f) for f in args.capacity_fractions]
+            for rate, fraction in rates:
                 pids = None
                 if (rate in args.profile_rates.split(",")
                         and policy in args.profile_policies.split(",")):
-                    kids = children(server.pid)
-                    pids = {"core": kids[0], "front0": server.pid}
+                    kids = children(process.pid)
+                    pids = {"core": kids[0], "front0": process.pid}
                     pids.update({f"front{j}": k for j, k in enumerate(kids[1:], 1)})
                     pids = {f"{policy}-r{rate}-{k}": v for k, v in pids.items()}
-                result = run_rate(url, policy, rate, args, out, pids)
+                load: list[str] | None = [] if args.tenant_rates else None  # in the flags
+                result = run_rate(url, policy, rate, args, out, pids, load=load)
+                if fraction is not None:
+                    result["capacity_fraction"] = fraction
                 runs.append(result)
                 print(json.dumps({"policy": policy, "rate": rate,
                                   "output_tok_s": round(result["output_throughput"], 1),
-                                  "tpot_p50": round(result["tpot_ms"]["p50"], 2),
-                                  "ttft_p50": round(result["ttft_ms"]["p50"], 1),
+                                  "tpot_p50": _round(result["tpot_ms"]["p50"], 2),
+                                  "ttft_p50": _round(result["ttft_ms"]["p50"], 1),
                                   **result["engine"]}), flush=True)
-        finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                server.kill()
         summary["runs"] = runs
         write_report(str(out / "summary.json"), summary)
     reports = sorted(str(p) for p in out.glob("*-r*.json"))

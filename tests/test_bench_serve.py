@@ -1,7 +1,8 @@
 """`asyncinfer bench serve` against a fake OpenAI-compatible server on loopback: counts,
-latency statistics, the seeded arrival schedule, goodput, failures that never crash it, and
-the hostile load: clients hanging up mid-stream, then the server's gauges polled until it
-drains."""
+latency statistics, the seeded arrival schedule, goodput, failures that never crash it, the
+hostile load: clients hanging up mid-stream, then the server's gauges polled until it
+drains; and the workloads: tenants and priorities reaching the server, reports per group,
+each tenant's service, and the flags that are refused."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import logging
 import socket
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,8 +31,10 @@ from asyncinfer.bench.serve import (
     make_requests,
     parse_gauges,
     plan_hangups,
+    plan_long,
     summarize,
 )
+from asyncinfer.bench.workloads import chat, draw_labels, tenant_arrivals
 from asyncinfer.errors import AsyncInferError
 
 FAST = 0.002  # seconds before each chunk of a normal request
@@ -49,18 +53,20 @@ class FakeServer:
     chunk), then a usage chunk and [DONE]; ``plan(k)`` picks how the k-th request (from 0)
     behaves: ok, 500, slow_ttft, slow_tpot, disconnect, error_frame or hang.
 
-    Records each request's body, the prompts of streams finished to [DONE], and, for streams
-    the client broke off, the prompt and how many text chunks had been written. ``/metrics``
-    serves ``gauges`` one scrape after another, the last one over and over, or waits for all
-    ``barrier`` requests to have arrived when that is set.
+    Records each request's body and X-Tenant header, the prompts of streams finished to
+    [DONE], and, for streams the client broke off, the prompt and how many text chunks had
+    been written. Requests for a tenant in ``slow_for`` are slow to their first token.
+    ``/metrics`` serves ``gauges`` one scrape after another, the last one over and over, or
+    waits for all ``barrier`` requests to have arrived when that is set.
     """
 
     def __init__(self, plan: Callable[[int], str] = lambda k: "ok", usage: bool = True,
                  delay: float = FAST, gauges: list[Gauges] | None = None,
-                 barrier: int = 0) -> None:
-        self.plan, self.usage, self.delay = plan, usage, delay
+                 barrier: int = 0, slow_for: tuple[str, ...] = ()) -> None:
+        self.plan, self.usage, self.delay, self.slow_for = plan, usage, delay, slow_for
         self.counter = itertools.count()
         self.bodies: list[dict[str, Any]] = []
+        self.tenant_headers: list[str | None] = []
         self.finished: list[tuple[int, ...]] = []
         self.aborted: list[tuple[tuple[int, ...], int]] = []
         self.gauges, self.scrapes = gauges or [(0, 0, 0)], 0
@@ -91,6 +97,9 @@ class FakeServer:
         kind = self.plan(next(self.counter))
         body = await request.json()
         self.bodies.append(body)
+        self.tenant_headers.append(request.headers.get("X-Tenant"))
+        if body.get("user") in self.slow_for:
+            kind = "slow_ttft"
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         written = [0]
@@ -457,3 +466,209 @@ def test_the_hangup_fraction_is_below_1(fraction: str) -> None:
     add_parser(parser.add_subparsers())
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--hangup-fraction", fraction])
+
+
+# --- Workloads --------------------------------------------------------------------------------
+
+def parse(*options: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *options])
+
+
+def test_tenants_and_priorities_reach_the_server(tmp_path: Path) -> None:
+    server = FakeServer()
+    status, report = bench(server, tmp_path, "--concurrency", "5", "--num-requests", "30",
+                           "--input-len", "8", "--output-len", "2", "--seed", "2",
+                           "--tenants", "A:0.7,B:0.3", "--priorities", "0:0.5,7:0.5")
+    assert status == 0
+    prompts = [s.prompt for s in make_requests(30, (8, 8), (2, 2), seed=2)]
+    tenants = draw_labels({"A": 0.7, "B": 0.3}, 30, "tenants-2")
+    priorities = draw_labels({0: 0.5, 7: 0.5}, 30, "priorities-2")
+    assert set(tenants) == {"A", "B"} and set(priorities) == {0, 7}
+    expected = {p: (t, q) for p, t, q in zip(prompts, tenants, priorities)}
+    assert len(server.bodies) == 30
+    for body, header in zip(server.bodies, server.tenant_headers):
+        tenant, priority = expected[tuple(body["prompt"])]
+        assert (body["user"], header, body["priority"]) == (tenant, tenant, priority)
+    rows = report["requests"]
+    assert [(r["tenant"], r["priority"], r["long"]) for r in rows] == [
+        (t, q, False) for t, q in zip(tenants, priorities)]
+    assert report["params"]["tenants"] == {"A": 0.7, "B": 0.3}
+    assert report["params"]["priorities"] == {"0": 0.5, "7": 0.5}
+
+
+def test_without_tenants_or_priorities_nothing_extra_is_sent(tmp_path: Path) -> None:
+    server = FakeServer()
+    _, report = bench(server, tmp_path, "--num-requests", "3", "--output-len", "2")
+    assert all("user" not in b and "priority" not in b for b in server.bodies)
+    assert server.tenant_headers == [None, None, None]
+    assert report["groups"] == {} and report["service"] is None
+    assert report["params"]["workload"] == "uniform"
+    assert report["params"]["input_dist"] == {"dist": "uniform", "lo": 128, "hi": 128}
+
+
+def test_a_tenant_mix_leaves_prompts_and_times_as_they_were(tmp_path: Path) -> None:
+    runs = []
+    for mix in ([], ["--tenants", "A:1,B:1", "--priorities", "0:1,1:1"]):
+        server = FakeServer()
+        _, report = bench(server, tmp_path, "--rate", "50", "--num-requests", "8",
+                          "--input-len-range", "4,30", "--output-len", "2", "--seed", "1",
+                          *mix)
+        runs.append((server, report))
+    (plain, plain_report), (mixed, mixed_report) = runs
+    assert sorted(b["prompt"] for b in plain.bodies) == sorted(b["prompt"] for b in mixed.bodies)
+    assert [r["prompt_len"] for r in plain_report["requests"]] == [
+        r["prompt_len"] for r in mixed_report["requests"]]
+    assert {b["user"] for b in mixed.bodies} == {"A", "B"}
+    expected = arrival_schedule(8, 50.0, seed=1)
+    for report in (plain_report, mixed_report):
+        sent = [row["sent_s"] for row in report["requests"]]
+        assert all(e - 1e-3 <= s < e + 0.1 for s, e in zip(sent, expected))
+
+
+def test_reports_per_tenant_and_priority(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # B's requests are slow to their first token: its goodput under a TTFT SLO is 0.
+    server = FakeServer(slow_for=("B",))
+    status, report = bench(server, tmp_path, "--concurrency", "8", "--num-requests", "16",
+                           "--input-len", "4", "--output-len", "3", "--tenants", "A:1,B:1",
+                           "--priorities", "2:1,10:1", "--slo-ttft-ms", "150")
+    assert status == 0
+    tenants = Counter(draw_labels({"A": 1, "B": 1}, 16, "tenants-0"))
+    priorities = Counter(draw_labels({2: 1, 10: 1}, 16, "priorities-0"))
+    groups = report["groups"]
+    assert set(groups) == {"tenant", "priority"}  # no long prompts: no class groups
+    assert {name: g["completed"] for name, g in groups["tenant"].items()} == tenants
+    assert list(groups["priority"]) == ["2", "10"]  # in numeric order
+    assert {int(p): g["completed"] for p, g in groups["priority"].items()} == priorities
+    a, b = groups["tenant"]["A"], groups["tenant"]["B"]
+    assert (a["good_requests"], b["good_requests"]) == (tenants["A"], 0)
+    assert b["ttft_ms"]["p50"] > 250 > 150 > a["ttft_ms"]["p99"]
+    assert a["goodput"] == pytest.approx(tenants["A"] / report["duration_s"])
+    assert a["total_output_tokens"] == 3 * tenants["A"]
+    out = capsys.readouterr().out
+    for label in ("tenant A", "tenant B", "priority 2", "priority 10"):
+        [line] = [line for line in out.splitlines() if line.startswith(label + " ")]
+        assert line.split()[len(label.split())] == str(groups[label.split()[0]][
+            label.split()[1]]["completed"])
+
+
+def test_the_service_of_each_tenant_counts_its_tokens(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    status, report = bench(FakeServer(), tmp_path, "--num-requests", "12", "--output-len",
+                           "3", "--input-len-range", "4,20", "--tenant-rates", "A:300,B:100",
+                           "--service-w-in", "0.5", "--service-w-out", "3",
+                           "--service-bucket-s", "0.01")
+    assert status == 0
+    arrivals = tenant_arrivals({"A": 300.0, "B": 100.0}, 12, seed=0)
+    rows = report["requests"]
+    assert [r["tenant"] for r in rows] == [name for _, name in arrivals]
+    p = report["params"]
+    assert (p["load"], p["rate"], p["tenant_rates"]) == ("poisson", 400.0,
+                                                         {"A": 300.0, "B": 100.0})
+    service = report["service"]
+    assert (service["w_in"], service["w_out"], service["bucket_s"]) == (0.5, 3.0, 0.01)
+    for name in ("A", "B"):
+        mine = [r for r in rows if r["tenant"] == name]
+        total = sum(0.5 * r["prompt_len"] + 3 * r["output_tokens"] for r in mine)
+        assert service["total"][name] == pytest.approx(total)
+        curve = service["cumulative"][name]
+        assert curve == sorted(curve) and curve[-1] == pytest.approx(total)
+    times = service["times_s"]
+    assert times[:3] == pytest.approx([0, 0.01, 0.02])
+    assert times[-1] >= max(r["sent_s"] + r["e2e_ms"] / 1000 for r in rows) - 0.01
+    assert service["max_gap"]["tenants"] == ["A", "B"] and service["max_gap"]["gap"] >= 0
+    assert "service     A " in capsys.readouterr().out
+
+
+def test_sends_follow_the_gamma_schedule(tmp_path: Path) -> None:
+    status, report = bench(FakeServer(), tmp_path, "--rate", "40", "--arrival", "gamma",
+                           "--burstiness", "0.5", "--seed", "3", "--num-requests", "6",
+                           "--output-len", "2")
+    assert status == 0
+    p = report["params"]
+    assert (p["load"], p["arrival"], p["burstiness"], p["rate"]) == ("gamma", "gamma", 0.5, 40)
+    expected = arrival_schedule(6, 40.0, seed=3, burstiness=0.5)
+    assert expected != arrival_schedule(6, 40.0, seed=3)
+    sent = [row["sent_s"] for row in report["requests"]]
+    assert all(e - 1e-3 <= s < e + 0.1 for s, e in zip(sent, expected))
+
+
+def test_long_prompts_are_sent_and_reported_apart(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    server = FakeServer()
+    status, report = bench(server, tmp_path, "--concurrency", "4", "--num-requests", "8",
+                           "--input-len", "8", "--output-len", "2", "--long-fraction", "0.25",
+                           "--long-factor", "30", "--max-input-len", "100")
+    assert status == 0
+    planned = plan_long(make_requests(8, (8, 8), (2, 2), seed=0), 0.25, 30, seed=0,
+                        max_len=100)
+    assert sorted(len(b["prompt"]) for b in server.bodies) == [8] * 6 + [100] * 2
+    assert [r["long"] for r in report["requests"]] == [s.long for s in planned]
+    classes = report["groups"]["class"]
+    assert (classes["long"]["completed"], classes["short"]["completed"]) == (2, 6)
+    assert (classes["long"]["total_input_tokens"], classes["short"]["total_input_tokens"]) == (
+        200, 48)
+    p = report["params"]
+    assert (p["long_fraction"], p["long_factor"], p["max_input_len"]) == (0.25, 30, 100)
+    out = capsys.readouterr().out
+    assert any(line.startswith("long ") for line in out.splitlines())
+    assert any(line.startswith("short ") for line in out.splitlines())
+
+
+def test_the_chat_workload_draws_lognormal_lengths(tmp_path: Path) -> None:
+    server = FakeServer(delay=0)
+    status, report = bench(server, tmp_path, "--concurrency", "16", "--num-requests", "48",
+                           "--workload", "chat", "--input-mean", "60", "--output-mean", "6")
+    assert status == 0
+    inputs, outputs = chat(60, 6)
+    expected = make_requests(48, inputs, outputs, seed=0)
+    assert sorted(len(b["prompt"]) for b in server.bodies) == sorted(
+        len(s.prompt) for s in expected)
+    assert sorted(b["max_tokens"] for b in server.bodies) == sorted(
+        s.output_len for s in expected)
+    assert len({len(s.prompt) for s in expected}) > 20
+    p = report["params"]
+    assert p["workload"] == "chat" and p["input_len"] == [4, 2048]
+    assert p["input_dist"] == {"dist": "lognormal", "mean": 60.0, "sigma": 1.0, "lo": 4,
+                               "hi": 2048, "mean_after_clipping": 60.0}
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--tenants", "A:x"], "argument --tenants: expected NAME:SHARE,... with each share a "
+                           "finite number > 0, got 'x' in 'A:x'"),
+    (["--tenants", "A"], "argument --tenants: expected NAME:SHARE,... got 'A' (no ':' in "
+                         "'A')"),
+    (["--tenant-rates", "A:10,B:inf"], "argument --tenant-rates: expected NAME:RATE,... with "
+                                       "each rate a finite number > 0, got 'inf'"),
+    (["--priorities", "low:0.5"], "argument --priorities: expected PRIORITY:SHARE,... got "
+                                  "'low:0.5' (bad PRIORITY 'low')"),
+    (["--priorities", "0:0"], "argument --priorities: expected PRIORITY:SHARE"),
+    (["--long-fraction", "1.5"], "argument --long-fraction: expected a fraction"),
+    (["--long-factor", "0.5"], "argument --long-factor: expected a number >= 1"),
+    (["--burstiness", "0"], "argument --burstiness: expected a gamma shape > 0"),
+    (["--workload", "trace"], "argument --workload: invalid choice: 'trace'"),
+    (["--rate", "4", "--tenant-rates", "A:1"], "not allowed with argument --rate"),
+])
+def test_bad_workload_flags_are_argparse_errors(options: list[str], message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(*options)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--input-mean", "40"], "--input-mean set the means of --workload chat"),
+    (["--workload", "chat", "--input-len", "9"], "drop --input-len"),
+    (["--tenants", "A:1", "--tenant-rates", "A:1"], "not both"),
+    (["--arrival", "gamma", "--rate", "3"], "--arrival gamma needs --burstiness"),
+    (["--burstiness", "0.5", "--rate", "3"], "add --arrival gamma"),
+    (["--arrival", "gamma", "--burstiness", "2", "--concurrency", "2"], "not --concurrency"),
+])
+def test_flags_that_do_not_go_together_are_refused(options: list[str], message: str) -> None:
+    # Refused before any request: the URL is never reached.
+    with pytest.raises(AsyncInferError, match=message):
+        main(parse("--url", "http://127.0.0.1:9", *options))

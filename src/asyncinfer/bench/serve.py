@@ -1,8 +1,15 @@
 """`asyncinfer bench serve`: load a running OpenAI-compatible server and measure its latency.
 
 Requests of random token ids (EOS ignored, so each yields exactly its output length) arrive
-as a seeded Poisson process (``--rate``) or from closed-loop workers (``--concurrency``).
-TTFT, ITL, TPOT and end-to-end latency are measured client-side from the streamed chunks.
+as a seeded Poisson or gamma (bursty) process (``--rate``, ``--arrival``), one per tenant
+(``--tenant-rates``), or from closed-loop workers (``--concurrency``). Lengths are uniform or
+follow a named workload (``--workload chat``: lognormal, fitted to ShareGPT's published
+means); a share of the prompts can be made much longer (``--long-fraction``). Requests carry
+a tenant (``--tenants``: the OpenAI ``user`` field and an ``X-Tenant`` header) and a
+``priority`` (``--priorities``) drawn per request. TTFT, ITL, TPOT and end-to-end latency are
+measured client-side from the streamed chunks, for the whole run and per tenant, priority and
+long or short prompt; with tenants, each one's weighted service over time too (see
+docs/workloads.md).
 
 A hostile load (``--hangup-fraction``) has a seeded share of the requests close their
 connection mid-stream; afterwards the server's ``/metrics`` gauges tell whether it let go of
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -28,6 +36,19 @@ from typing import TYPE_CHECKING, Any
 
 from attrs import define, evolve, field, frozen
 
+from asyncinfer.bench.workloads import (
+    WORKLOADS,
+    LengthDist,
+    TenantTrace,
+    Uniform,
+    arrival_times,
+    chat,
+    draw_labels,
+    parse_mix,
+    service_report,
+    tenant_arrivals,
+    tenant_name,
+)
 from asyncinfer.errors import AsyncInferError
 
 if TYPE_CHECKING:
@@ -36,16 +57,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TOKEN_IDS = (100, 10000)  # as in `bench decode`: clear of special ids, inside real vocabularies
+DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 128, 64  # of --workload uniform
 
 
 @frozen
 class RequestSpec:
-    """One request of the workload: its prompt ids, how many tokens it must produce, and
-    after how many streamed text chunks the client hangs up (None: it reads to the end)."""
+    """One request of the workload: its prompt ids, how many tokens it must produce, after
+    how many streamed text chunks the client hangs up (None: it reads to the end), whom it is
+    for and its priority (None: not sent), and whether its prompt was made long."""
 
     prompt: tuple[int, ...]
     output_len: int
     hangup_after: int | None = None
+    tenant: str | None = None
+    priority: int | None = None
+    long: bool = False
 
 
 @define
@@ -62,6 +88,10 @@ class RequestResult:
     output_tokens: int = 0
     error: str | None = None
     hung_up: bool = False  # the client closed the connection mid-stream, as planned
+    tenant: str | None = None
+    priority: int | None = None
+    long: bool = False
+    elapsed: float | None = None  # until the client stopped reading, whatever the outcome
 
     @property
     def ok(self) -> bool:
@@ -85,34 +115,61 @@ class _RequestFailed(Exception):
         self.label, self.detail = label, detail
 
 
-def arrival_schedule(num_requests: int, rate: float, seed: int) -> list[float]:
-    """Send times in seconds from the start: the first at 0, then exponential gaps of mean
-    ``1/rate`` drawn from ``random.Random(seed)``; all at 0 for an infinite rate."""
-    if math.isinf(rate):
-        return [0.0] * num_requests
-    rng = random.Random(seed)
-    times, t = [], 0.0
-    for _ in range(num_requests):
-        times.append(t)
-        t += rng.expovariate(rate)
-    return times
+def arrival_schedule(num_requests: int, rate: float, seed: int,
+                     burstiness: float = 1.0) -> list[float]:
+    """Send times in seconds from the start: the first at 0, then gaps of mean ``1/rate``
+    drawn from ``random.Random(seed)``, exponential (Poisson arrivals) or, for a
+    ``burstiness`` other than 1, gamma of that shape; all at 0 for an infinite rate."""
+    return arrival_times(num_requests, rate, random.Random(seed), burstiness)
 
 
-def make_requests(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                  seed: int, prefix_groups: int = 0, prefix_len: int = 0) -> list[RequestSpec]:
-    """Prompts of random ids with uniform random lengths in the inclusive ranges. With
-    ``prefix_groups``, request i's prompt starts with shared prefix ``i % prefix_groups``
-    (``prefix_len`` random ids each) before its own ids: what a prefix cache, and a router
-    that sends a prompt where its prefix is cached, can serve from cache."""
+def make_requests(num_requests: int, input_len: tuple[int, int] | LengthDist,
+                  output_len: tuple[int, int] | LengthDist, seed: int, prefix_groups: int = 0,
+                  prefix_len: int = 0) -> list[RequestSpec]:
+    """Prompts of random ids with lengths drawn from ``input_len`` and ``output_len``: a
+    distribution, or an inclusive range drawn uniformly. With ``prefix_groups``, request i's
+    prompt starts with shared prefix ``i % prefix_groups`` (``prefix_len`` random ids each)
+    before its own ids: what a prefix cache, and a router that sends a prompt where its
+    prefix is cached, can serve from cache."""
+    inputs = Uniform(*input_len) if isinstance(input_len, tuple) else input_len
+    outputs = Uniform(*output_len) if isinstance(output_len, tuple) else output_len
     rng = random.Random(f"prompts-{seed}")  # not the schedule's stream: same prompts at any rate
     prefixes = [tuple(rng.randrange(*TOKEN_IDS) for _ in range(prefix_len))
                 for _ in range(prefix_groups)]
     specs = []
     for i in range(num_requests):
-        prompt = tuple(rng.randrange(*TOKEN_IDS) for _ in range(rng.randint(*input_len)))
+        prompt = tuple(rng.randrange(*TOKEN_IDS) for _ in range(inputs.sample(rng)))
         shared = prefixes[i % prefix_groups] if prefixes else ()
-        specs.append(RequestSpec(shared + prompt, rng.randint(*output_len)))
+        specs.append(RequestSpec(shared + prompt, outputs.sample(rng)))
     return specs
+
+
+def plan_long(specs: list[RequestSpec], fraction: float, factor: float, seed: int,
+              max_len: int | None = None) -> list[RequestSpec]:
+    """``specs`` with ``round(fraction * len(specs))`` of them, drawn from ``seed``, given
+    prompts ``factor`` times as long (at most ``max_len``, never shorter than they were):
+    their ids, then fresh random ids. A few long prefills among short requests show whether
+    a policy lets them hold up everyone behind (head-of-line blocking)."""
+    rng = random.Random(f"long-{seed}")  # its own stream: same prompts and arrival times
+    chosen = sorted(rng.sample(range(len(specs)), round(fraction * len(specs))))
+    out = list(specs)
+    for i in chosen:
+        prompt = specs[i].prompt
+        target = round(factor * len(prompt))
+        if max_len is not None:
+            target = min(target, max_len)
+        extra = tuple(rng.randrange(*TOKEN_IDS) for _ in range(target - len(prompt)))
+        out[i] = evolve(specs[i], prompt=prompt + extra, long=True)
+    return out
+
+
+def label_requests(specs: list[RequestSpec], tenants: list[str] | None = None,
+                   priorities: list[int] | None = None) -> list[RequestSpec]:
+    """``specs`` with request i's tenant ``tenants[i]`` and priority ``priorities[i]``
+    (either left as it was where None)."""
+    return [evolve(spec, tenant=spec.tenant if tenants is None else tenants[i],
+                   priority=spec.priority if priorities is None else priorities[i])
+            for i, spec in enumerate(specs)]
 
 
 def plan_hangups(specs: list[RequestSpec], fraction: float, seed: int) -> list[RequestSpec]:
@@ -185,13 +242,21 @@ class _Client:
     async def send(self, spec: RequestSpec) -> RequestResult:
         """One streamed completion; every failure is recorded, none is raised."""
         prompt: str | list[int] = as_text(spec.prompt) if self.text else list(spec.prompt)
-        payload = {"model": self.model, "prompt": prompt,
-                   "max_tokens": spec.output_len, "temperature": 0.0, "stream": True,
-                   "stream_options": {"include_usage": True}, "ignore_eos": True}
-        result = RequestResult(len(spec.prompt), spec.output_len,
-                               sent=time.perf_counter() - self.start)
+        payload: dict[str, Any] = {
+            "model": self.model, "prompt": prompt, "max_tokens": spec.output_len,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
+        headers = self.headers
+        if spec.tenant is not None:
+            payload["user"] = spec.tenant
+            headers = {**headers, "X-Tenant": spec.tenant}
+        if spec.priority is not None:
+            payload["priority"] = spec.priority
+        began = time.perf_counter()
+        result = RequestResult(len(spec.prompt), spec.output_len, sent=began - self.start,
+                               tenant=spec.tenant, priority=spec.priority, long=spec.long)
         try:
-            await asyncio.wait_for(_stream(self.session, self.url, payload, self.headers,
+            await asyncio.wait_for(_stream(self.session, self.url, payload, headers,
                                            result, spec.hangup_after), self.timeout)
         except asyncio.TimeoutError:
             result.error = f"timeout after {self.timeout:g} s"
@@ -202,6 +267,7 @@ class _Client:
                 logger.warning("%s: %s", exc.label, exc.detail)
         except Exception as exc:  # a disconnect or a garbled stream is a data point, not a crash
             result.error = type(exc).__name__
+        result.elapsed = time.perf_counter() - began
         self.on_done()
         return result
 
@@ -489,6 +555,62 @@ def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float 
     }
 
 
+def group_summaries(results: list[RequestResult], duration: float,
+                    slo_ttft_ms: float | None = None,
+                    slo_tpot_ms: float | None = None) -> dict[str, dict[str, Any]]:
+    """``summarize`` of each group of requests, by ``tenant``, by ``priority`` and by
+    ``class`` (``long`` or ``short`` prompt), each kind only when the run used it; the
+    throughputs are over the whole run's ``duration``."""
+    kinds: dict[str, Callable[[RequestResult], str | None]] = {
+        "tenant": lambda r: r.tenant,
+        "priority": lambda r: None if r.priority is None else str(r.priority),
+        "class": lambda r: "long" if r.long else "short",
+    }
+    in_use = {"tenant": any(r.tenant is not None for r in results),
+              "priority": any(r.priority is not None for r in results),
+              "class": any(r.long for r in results)}
+    groups: dict[str, dict[str, Any]] = {}
+    for kind, key in kinds.items():
+        if not in_use[kind]:
+            continue
+        members: dict[str, list[RequestResult]] = {}
+        for r in results:
+            if (name := key(r)) is not None:
+                members.setdefault(name, []).append(r)
+        order = sorted(members, key=lambda n: (int(n), n) if kind == "priority" else (0, n))
+        groups[kind] = {name: summarize(members[name], duration, slo_ttft_ms, slo_tpot_ms)
+                        for name in order}
+    return groups
+
+
+def service_traces(results: list[RequestResult], w_in: float = 1.0,
+                   w_out: float = 2.0) -> dict[str, TenantTrace]:
+    """Per tenant, the weighted service its requests received, as the client saw it: a
+    request's ``w_in`` x prompt tokens when its first token arrives, ``w_out`` per output
+    token when the chunk holding it arrives (a completed request's reported tokens spread
+    evenly over its chunks; one token a chunk otherwise); and the intervals in which one of
+    its requests waited for its first token (backlogged), from its sending until then, or
+    until the client stopped for one that never got it."""
+    events: dict[str, list[tuple[float, float]]] = {}
+    backlog: dict[str, list[tuple[float, float]]] = {}
+    for r in results:
+        if r.tenant is None:
+            continue
+        events.setdefault(r.tenant, [])
+        waited = r.ttft if r.ttft is not None else r.elapsed
+        if waited is not None:
+            backlog.setdefault(r.tenant, []).append((r.sent, r.sent + waited))
+        if r.ttft is None:
+            continue
+        chunks = 1 + len(r.itl)
+        per_chunk = r.output_tokens / chunks if r.ok and r.output_tokens else 1.0
+        first = r.sent + r.ttft
+        events[r.tenant].append((first, w_in * r.prompt_len))
+        for at in itertools.accumulate(r.itl, initial=first):
+            events[r.tenant].append((at, w_out * per_chunk))
+    return {name: TenantTrace(events[name], backlog.get(name, [])) for name in events}
+
+
 def _request_row(r: RequestResult) -> dict[str, Any]:
     def ms(s: float | None) -> float | None:
         return None if s is None else s * 1000
@@ -496,7 +618,7 @@ def _request_row(r: RequestResult) -> dict[str, Any]:
     return {"sent_s": r.sent, "prompt_len": r.prompt_len, "output_len": r.output_len,
             "output_tokens": r.output_tokens, "ttft_ms": ms(r.ttft), "tpot_ms": ms(r.tpot),
             "e2e_ms": ms(r.e2e) if r.ok else None, "error": r.error,
-            "hung_up": r.hung_up}
+            "hung_up": r.hung_up, "tenant": r.tenant, "priority": r.priority, "long": r.long}
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -504,7 +626,11 @@ def format_report(report: dict[str, Any]) -> str:
     p = report["params"]
     load = ("all at once" if p["load"] == "burst" else
             f"{p['concurrency']} closed-loop workers" if p["load"] == "closed_loop" else
-            f"Poisson arrivals at {p['rate']:g} req/s")
+            f"gamma arrivals (burstiness {p['burstiness']:g}) at {p['rate']:g} req/s"
+            if p["load"] == "gamma" else f"Poisson arrivals at {p['rate']:g} req/s")
+    if p.get("tenant_rates"):
+        load += " (" + ", ".join(f"{name} {rate:g}" for name, rate in
+                                 p["tenant_rates"].items()) + ")"
     counts = f"{report['completed']} completed, {report['failed']} failed"
     if p.get("hangup_fraction"):
         counts = f"{report['hung_up']} hung up mid-stream, {report['kept']} kept: {counts}"
@@ -524,6 +650,9 @@ def format_report(report: dict[str, Any]) -> str:
     for name in ("ttft", "tpot", "itl", "e2e"):
         cells = ["-" if v is None else f"{v:.1f}" for v in report[f"{name}_ms"].values()]
         lines.append(f"{name.upper():<12}" + "".join(f"{c:>10}" for c in cells))
+    lines += _group_lines(report.get("groups") or {})
+    if (service := report.get("service")) is not None:
+        lines += _service_lines(service)
     if (drain := report.get("drain")) is not None:
         lines.append(f"{'drain':<12}{_drain_line(drain)}")
     replicas = report.get("replicas") or []
@@ -539,6 +668,43 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _group_lines(groups: dict[str, dict[str, Any]]) -> list[str]:
+    """A header, then one line per group: counts, TTFT, TPOT and E2E p50 and p99 (ms),
+    goodput (req/s)."""
+    if not groups:
+        return []
+
+    def cell(value: float | None, width: int, digits: int = 1) -> str:
+        return f"{'-' if value is None else f'{value:.{digits}f}':>{width}}"
+
+    lines = [f"{'group (ms)':<16}{'done':>6}{'failed':>7}"
+             + "".join(f"{name + ' p50':>10}{'p99':>9}" for name in ("TTFT", "TPOT", "E2E"))
+             + f"{'goodput':>9}"]
+    for kind, members in groups.items():
+        for name, s in members.items():
+            label = name if kind == "class" else f"{kind} {name}"
+            row = f"{label[:15]:<16}{s['completed']:>6}{s['failed']:>7}"
+            for stat in ("ttft_ms", "tpot_ms", "e2e_ms"):
+                row += cell(s[stat]["p50"], 10) + cell(s[stat]["p99"], 9)
+            lines.append(row + cell(s["goodput"], 9, 2))
+    return lines
+
+
+def _service_lines(service: dict[str, Any]) -> list[str]:
+    totals = ", ".join(f"{name} {total:.0f}" for name, total in service["total"].items())
+    lines = [f"{'service':<12}{totals} (weights: input {service['w_in']:g}, "
+             f"output {service['w_out']:g} a token)"]
+    gap = service["max_gap"]
+    if gap is not None and gap["from_s"] is not None:
+        behind = next(t for t in gap["tenants"] if t != gap["ahead"])
+        lines.append(f"{'max gap':<12}{gap['gap']:.0f} ({gap['ahead']} ahead of {behind} "
+                     f"over {gap['from_s']:.2f}..{gap['to_s']:.2f} s; both backlogged "
+                     f"{gap['backlogged_s']:.2f} s in all)")
+    elif gap is not None:
+        lines.append(f"{'max gap':<12}no interval with two tenants backlogged together")
+    return lines
+
+
 def _drain_line(drain: dict[str, Any]) -> str:
     if drain["error"] is not None:
         return f"check FAILED: {drain['error']}"
@@ -550,21 +716,75 @@ def _drain_line(drain: dict[str, Any]) -> str:
     return f"{verdict} after {drain['waited_s']:.1f} s: {gauges}"
 
 
+def _check_options(args: argparse.Namespace) -> None:
+    """Refuse flags that would be silently ignored together (AsyncInferError)."""
+    chat_only = [flag for flag, value in (("--input-mean", args.input_mean),
+                                          ("--output-mean", args.output_mean)) if value]
+    if args.workload != "chat" and chat_only:
+        raise AsyncInferError(f"{' and '.join(chat_only)} set the means of --workload chat; "
+                              f"use --input-len/--input-len-range with --workload uniform")
+    fixed = [flag for flag, value in (("--input-len", args.input_len),
+                                      ("--output-len", args.output_len),
+                                      ("--input-len-range", args.input_len_range),
+                                      ("--output-len-range", args.output_len_range)) if value]
+    if args.workload == "chat" and fixed:
+        raise AsyncInferError(f"--workload chat draws its own lengths: drop "
+                              f"{' and '.join(fixed)}, or set --input-mean/--output-mean")
+    if args.tenants and args.tenant_rates:
+        raise AsyncInferError("give --tenants (shares of one arrival process) or "
+                              "--tenant-rates (a process per tenant), not both")
+    if args.arrival == "gamma" and args.burstiness is None:
+        raise AsyncInferError("--arrival gamma needs --burstiness B (below 1: burstier than "
+                              "Poisson; 1: Poisson)")
+    if args.arrival != "gamma" and args.burstiness is not None:
+        raise AsyncInferError("--burstiness shapes gamma arrivals: add --arrival gamma")
+    if args.arrival == "gamma" and args.concurrency:
+        raise AsyncInferError("--arrival gamma times an open loop: use --rate or "
+                              "--tenant-rates, not --concurrency")
+
+
+def workload_lengths(args: argparse.Namespace) -> tuple[LengthDist, LengthDist]:
+    """The prompt and output length distributions the flags ask for."""
+    if args.workload == "chat":
+        return chat(args.input_mean, args.output_mean)
+    input_len = args.input_len or DEFAULT_INPUT_LEN
+    output_len = args.output_len or DEFAULT_OUTPUT_LEN
+    return (Uniform(*(args.input_len_range or (input_len, input_len))),
+            Uniform(*(args.output_len_range or (output_len, output_len))))
+
+
 def main(args: argparse.Namespace) -> int:
     """`asyncinfer bench serve`: run the load, check the server drained (see ``--check-drained``),
     print the table, write ``--json``; exit status 1 when no kept request completed, or when
     the drain check failed, timed out or found KV pages still used."""
     from tqdm import tqdm
 
-    input_len = args.input_len_range or (args.input_len, args.input_len)
-    output_len = args.output_len_range or (args.output_len, args.output_len)
-    specs = make_requests(args.num_requests, input_len, output_len, args.seed,
+    _check_options(args)
+    input_dist, output_dist = workload_lengths(args)
+    specs = make_requests(args.num_requests, input_dist, output_dist, args.seed,
                           args.prefix_groups, args.prefix_len)
+    if args.long_fraction:
+        specs = plan_long(specs, args.long_fraction, args.long_factor, args.seed,
+                          args.max_input_len)
     if args.hangup_fraction:
         specs = plan_hangups(specs, args.hangup_fraction, args.seed)
     check = args.check_drained if args.check_drained is not None else args.hangup_fraction > 0
-    rate = math.inf if args.rate is None and args.concurrency is None else args.rate
-    schedule = None if args.concurrency else arrival_schedule(len(specs), rate, args.seed)
+    burstiness = args.burstiness or 1.0
+    tenants = None
+    if args.tenant_rates:
+        arrivals = tenant_arrivals(args.tenant_rates, len(specs), args.seed, burstiness)
+        schedule: list[float] | None = [t for t, _ in arrivals]
+        tenants = [name for _, name in arrivals]
+        rate = sum(args.tenant_rates.values())
+    else:
+        rate = math.inf if args.rate is None and args.concurrency is None else args.rate
+        schedule = (None if args.concurrency else
+                    arrival_schedule(len(specs), rate, args.seed, burstiness))
+        if args.tenants:
+            tenants = draw_labels(args.tenants, len(specs), f"tenants-{args.seed}")
+    priorities = (draw_labels(args.priorities, len(specs), f"priorities-{args.seed}")
+                  if args.priorities else None)
+    specs = label_requests(specs, tenants, priorities)
     base = args.url.rstrip("/")
     replicas = replica_urls(base, args.api_key)
     counted = replica_counters(replicas)
@@ -579,19 +799,38 @@ def main(args: argparse.Namespace) -> int:
     if check:
         drain = asyncio.run(check_drained(base, api_key=args.api_key,
                                           timeout=args.drain_timeout))
-    load = "closed_loop" if args.concurrency else "burst" if math.isinf(rate) else "poisson"
+    load = ("closed_loop" if args.concurrency else "burst" if math.isinf(rate) else
+            "gamma" if args.arrival == "gamma" else "poisson")
     params = {"url": base, "model": model, "policy": args.policy, "load": load,
-              "rate": None if load != "poisson" else rate, "concurrency": args.concurrency,
-              "num_requests": args.num_requests, "input_len": list(input_len),
-              "output_len": list(output_len), "prefix_groups": args.prefix_groups,
+              "rate": rate if load in ("poisson", "gamma") else None,
+              "concurrency": args.concurrency, "num_requests": args.num_requests,
+              "workload": args.workload, "input_len": [input_dist.lo, input_dist.hi],
+              "output_len": [output_dist.lo, output_dist.hi],
+              "input_dist": input_dist.describe(), "output_dist": output_dist.describe(),
+              "arrival": args.arrival, "burstiness": args.burstiness,
+              "tenants": args.tenants, "tenant_rates": args.tenant_rates,
+              "priorities": (None if args.priorities is None else
+                             {str(k): v for k, v in args.priorities.items()}),
+              "long_fraction": args.long_fraction,
+              "long_factor": args.long_factor if args.long_fraction else None,
+              "max_input_len": args.max_input_len if args.long_fraction else None,
+              "prefix_groups": args.prefix_groups,
               "prefix_len": args.prefix_len, "prompt_format": "text" if text else "ids",
               "seed": args.seed, "slo_ttft_ms": args.slo_ttft_ms,
               "slo_tpot_ms": args.slo_tpot_ms, "timeout_s": args.timeout,
               "hangup_fraction": args.hangup_fraction, "check_drained": check,
               "drain_timeout_s": args.drain_timeout if check else None}
+    service = None
+    if tenants is not None:
+        service = {"w_in": args.service_w_in, "w_out": args.service_w_out,
+                   **service_report(service_traces(results, args.service_w_in,
+                                                   args.service_w_out),
+                                    args.service_bucket_s)}
     report = {"benchmark": "serve", "params": params,
               **summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms),
-              "drain": drain, "replicas": per_replica,
+              "groups": group_summaries(results, duration, args.slo_ttft_ms,
+                                        args.slo_tpot_ms),
+              "service": service, "drain": drain, "replicas": per_replica,
               "requests": [_request_row(r) for r in results]}
     print(format_report(report), flush=True)
     if args.json:
@@ -630,6 +869,38 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction with 0 <= F <= 1, got {text}")
+    return value
+
+
+def _at_least(low: float) -> Callable[[str], float]:
+    """An argparse type: a finite number >= ``low``."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not low <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"expected a number >= {low:g}, got {text}")
+        return value
+
+    return parse
+
+
+def _mix(key: Callable[[str], Any], what: str,
+         name: str = "NAME") -> Callable[[str], dict[Any, float]]:
+    """An argparse type: ``NAME:VALUE,...`` (see ``parse_mix``)."""
+
+    def parse(text: str) -> dict[Any, float]:
+        try:
+            return parse_mix(text, key, what, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def _length_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(",")
     try:
@@ -658,11 +929,25 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                       help="closed loop: this many workers, each sending its next request when "
                            "its last one ends; with --num-requests equal to it, a burst of that "
                            "many concurrent streams")
+    load.add_argument("--tenant-rates", type=_mix(tenant_name, "rate"), default=None,
+                      metavar="A:R,B:R",
+                      help="one arrival process per tenant at its own rate (requests/s), "
+                           "merged in time order until --num-requests; each request is "
+                           "sent for its tenant (see --tenants)")
     parser.add_argument("--num-requests", type=_positive_int, default=64)
-    parser.add_argument("--input-len", type=_positive_int, default=128,
-                        help=f"prompt tokens (random ids in [{TOKEN_IDS[0]}, {TOKEN_IDS[1]}))")
-    parser.add_argument("--output-len", type=_positive_int, default=64,
-                        help="output tokens (EOS is ignored)")
+    parser.add_argument("--workload", choices=WORKLOADS, default="uniform",
+                        help="lengths: uniform (--input-len, --input-len-range ...), or chat: "
+                             "lognormal, fitted to ShareGPT's means (prompt 161, output 338 "
+                             "tokens; see docs/workloads.md). Default uniform")
+    parser.add_argument("--input-mean", type=_above_zero("tokens"), default=None,
+                        help="--workload chat: the prompts' mean length before clipping")
+    parser.add_argument("--output-mean", type=_above_zero("tokens"), default=None,
+                        help="--workload chat: the outputs' mean length before clipping")
+    parser.add_argument("--input-len", type=_positive_int, default=None,
+                        help=f"prompt tokens (random ids in [{TOKEN_IDS[0]}, {TOKEN_IDS[1]})) "
+                             f"(default {DEFAULT_INPUT_LEN})")
+    parser.add_argument("--output-len", type=_positive_int, default=None,
+                        help=f"output tokens (EOS is ignored) (default {DEFAULT_OUTPUT_LEN})")
     parser.add_argument("--prompt-format", choices=["ids", "text"], default=None,
                         help="send prompts as token ids, or as words (about a token each) "
                              "(default: text through a router, which refuses ids; else ids)")
@@ -675,9 +960,44 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                         help="uniform random prompt lengths, replacing --input-len")
     parser.add_argument("--output-len-range", type=_length_range, default=None, metavar="LO,HI",
                         help="uniform random output lengths, replacing --output-len")
+    parser.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson",
+                        help="inter-arrival times at --rate: exponential (Poisson), or gamma "
+                             "of shape --burstiness. Default poisson")
+    parser.add_argument("--burstiness", type=_above_zero("a gamma shape"), default=None,
+                        metavar="B",
+                        help="--arrival gamma's shape, the mean gap staying 1/rate: below 1 "
+                             "burstier than Poisson, 1 Poisson, above 1 more regular")
+    parser.add_argument("--tenants", type=_mix(tenant_name, "share"), default=None,
+                        metavar="A:S,B:S",
+                        help="each request's tenant, drawn with these shares; sent as the "
+                             "OpenAI 'user' field and an X-Tenant header. Reports per tenant "
+                             "and each tenant's service over time")
+    parser.add_argument("--priorities", type=_mix(int, "share", "PRIORITY"), default=None,
+                        metavar="P:S,...",
+                        help="each request's integer 'priority' field (lower runs first with "
+                             "the priority policy), drawn with these shares; reports per "
+                             "priority")
+    parser.add_argument("--long-fraction", type=_share, default=0.0, metavar="F",
+                        help="this share of the requests (a seeded choice) get prompts "
+                             "--long-factor times as long; reports long and short apart. "
+                             "Default 0")
+    parser.add_argument("--long-factor", type=_at_least(1), default=30.0, metavar="K",
+                        help="how many times longer a long prompt is (default 30)")
+    parser.add_argument("--max-input-len", type=_positive_int, default=None,
+                        help="the longest a long prompt may be made (keep prompt and output "
+                             "within the model's context)")
+    parser.add_argument("--service-w-in", type=_at_least(0), default=1.0,
+                        help="service: the weight of a prompt token, counted at the "
+                             "request's first token (default 1)")
+    parser.add_argument("--service-w-out", type=_at_least(0), default=2.0,
+                        help="service: the weight of an output token, counted when it "
+                             "arrives (default 2)")
+    parser.add_argument("--service-bucket-s", type=_seconds, default=1.0,
+                        help="service curves are sampled this often, in seconds (default 1)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="draws the prompts, the lengths, the arrival times and the "
-                             "hang-ups")
+                        help="draws the prompts, the lengths, the arrival times, the "
+                             "hang-ups, the long prompts, the tenants and the priorities "
+                             "(each from a stream of its own)")
     parser.add_argument("--slo-ttft-ms", type=float, default=None,
                         help="goodput counts requests with TTFT at most this")
     parser.add_argument("--slo-tpot-ms", type=float, default=None,
