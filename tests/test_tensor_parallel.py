@@ -309,3 +309,25 @@ def test_requests_arriving_and_cancelled_over_time_reach_every_rank(tiny_llama_d
         t for i, t in enumerate(alone) if i % 3]
     assert all(t is None for t in leader["tokens"][::3])
     assert leader["held"] == [0, 0, 0]
+
+
+def test_leaving_a_group_that_never_lets_go_is_bounded_and_aborts_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank stuck in a collective would keep NCCL's teardown waiting for good: leaving
+    gives up after its timeout and aborts the group instead of hanging the engine's close."""
+    import threading
+
+    import torch.distributed as dist
+
+    from asyncinfer.distributed.launch import leave_group
+
+    release, aborted = threading.Event(), []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: release.wait(30))
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group",
+                        lambda *a: aborted.append(True))
+    try:
+        assert leave_group(timeout=0.2) is False
+        assert aborted == [True]
+    finally:
+        release.set()

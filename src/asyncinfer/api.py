@@ -17,7 +17,7 @@ import attrs
 
 from asyncinfer.config import EngineConfig, ModelConfig
 from asyncinfer.coordinator import Coordinator, RoundObserver
-from asyncinfer.distributed.launch import STOP_TIMEOUT, Ranks, backend_for
+from asyncinfer.distributed.launch import STOP_TIMEOUT, Ranks, backend_for, leave_group
 from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.distributed.sync import RoundSync
 from asyncinfer.engine import create_runner
@@ -149,15 +149,11 @@ class AsyncEngine:
         ranks, self._ranks = self._ranks, None
         if ranks is None:
             return
-        import torch.distributed as dist
-
         # Every rank leaves the group together (NCCL's teardown waits for the others),
-        # then their processes exit.
-        if dist.is_initialized() and not failed:
-            dist.destroy_process_group()
-        ranks.stop(timeout=5.0 if failed else STOP_TIMEOUT)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # then their processes exit; a rank stuck in a collective cannot hold this one.
+        left = failed or leave_group()
+        ranks.stop(timeout=5.0 if failed or not left else STOP_TIMEOUT)
+        leave_group(timeout=5.0)  # what is left of it (after an abort, what abort left)
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -367,12 +363,9 @@ def _follow(rank: int, options: dict[str, Any]) -> None:
     engine = AsyncEngine(model, skip_tokenizer_init=True, **options)
     logger.info("rank %d ready", rank)
     new_event_loop().run_until_complete(engine.follow())
-    import torch.distributed as dist
-
     # Rank 0 leaves the group as it stops, and NCCL's teardown waits for every rank: leave
     # it here too, rather than at interpreter exit.
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_group()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

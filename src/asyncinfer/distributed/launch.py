@@ -12,6 +12,7 @@ process exits first: no rank outlives the process that started it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT = 300.0   # seconds for every rank to join the group
 STOP_TIMEOUT = 30.0     # seconds a rank gets to stop once told to, before it is killed
+LEAVE_TIMEOUT = 20.0    # seconds the ranks get to leave the group together, before abort
 
 
 def backend_for(device: str) -> str:
@@ -131,6 +133,38 @@ class Ranks:
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def leave_group(timeout: float = LEAVE_TIMEOUT) -> bool:
+    """Leave the process group (every group of this process); False, with the group
+    aborted instead, if that did not end within ``timeout`` seconds.
+
+    NCCL's orderly teardown waits for every rank, and a rank stuck in a collective that its
+    peers never join would keep it waiting for good: a stopping engine must not hang on it.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return True
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group: left all the same
+            logger.debug("leaving the process group failed", exc_info=True)
+        done.set()
+
+    threading.Thread(target=destroy, name="asyncinfer-leave-group", daemon=True).start()
+    if done.wait(timeout):
+        return True
+    logger.warning("leaving the tensor-parallel group took over %.0f s (a rank is stuck in a "
+                   "collective); aborting it", timeout)
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        with contextlib.suppress(Exception):
+            abort()
+    return False
 
 
 def _free_port() -> int:
