@@ -12,7 +12,6 @@ process exits first: no rank outlives the process that started it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -159,12 +158,19 @@ def leave_group(timeout: float = LEAVE_TIMEOUT) -> bool:
     if done.wait(timeout):
         return True
     logger.warning("leaving the tensor-parallel group took over %.0f s (a rank is stuck in a "
-                   "collective); aborting it", timeout)
+                   "collective); aborting it in the background", timeout)
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if abort is not None:
-        with contextlib.suppress(Exception):
-            abort()
+    if abort is not None:  # it can block on the stuck teardown too: never wait for it
+        threading.Thread(target=_quietly, args=(abort,), name="asyncinfer-abort-group",
+                         daemon=True).start()
     return False
+
+
+def _quietly(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except Exception:
+        logger.debug("%s failed", call, exc_info=True)
 
 
 def _free_port() -> int:
