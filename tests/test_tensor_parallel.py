@@ -195,6 +195,8 @@ def test_llm_starts_and_stops_its_own_ranks(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), skip_tokenizer_init=True, tensor_parallel_size=2,
               **OPTIONS)
     pids = ranks_of(llm)
+    assert llm.engine._ranks is not None
+    processes = llm.engine._ranks.processes
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == alone
     assert [o.token_ids for o in llm.generate(prompts[:3], params[:3], use_tqdm=False)
             ] == alone[:3]
@@ -202,6 +204,7 @@ def test_llm_starts_and_stops_its_own_ranks(tiny_llama_dir: Path) -> None:
     assert not dist.is_initialized()
     assert not multiprocessing.active_children()
     assert all(has_exited(pid) for pid in pids)
+    assert [p.exitcode for p in processes] == [0]  # it left the group cleanly, once
 
 
 def test_every_divisor_of_the_embedded_models_heads(smollm2_dir: Path) -> None:

@@ -42,7 +42,8 @@ def test_cuda_graph_decode_equals_eager_on_two_ranks(trained_qwen3_dir: Path) ->
                            cuda_graph_max_prefill_tokens=0, **TP)
     graphed = llm.runner.graphs
     assert graphed is not None and sum(g.replays for g in graphed.decode) > 0
-    llm.close()
+    llm.close()  # frees the graphs (and the collectives they captured) though held here
+    assert all(g.cuda_graph is None for g in graphed.decode)
     eager, llm = generate(trained_qwen3_dir, prompts, cuda_graph=False, **TP)
     llm.close()
     assert graphs == eager

@@ -5,13 +5,15 @@ starts the other ranks itself: ``size - 1`` spawned processes, each joining a gr
 free local port (NCCL on CUDA, gloo on CPU) and running ``entry(rank, *args)``, which builds
 its own engine and follows rank 0. This process becomes rank 0 once they have all joined.
 
-The ranks ignore SIGINT (rank 0's process decides what a Ctrl-C stops), and stop when rank 0
+The ranks ignore SIGINT (rank 0's process decides what a Ctrl-C stops) and print every
+thread's stack on SIGUSR1 (what a rank that seems stuck is waiting in), and stop when rank 0
 stops them, when a collective fails because another rank is gone, or at once if rank 0's
 process exits first: no rank outlives the process that started it.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -209,6 +211,7 @@ def _rank_main(rank: int, size: int, port: int, backend: str, leader: int,
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [tp{rank}] %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     threading.Thread(target=_watch_leader, args=(rank, leader), daemon=True,
                      name="asyncinfer-tp-leader").start()
     import torch.distributed as dist
@@ -220,7 +223,7 @@ def _rank_main(rank: int, size: int, port: int, backend: str, leader: int,
     except Exception as exc:
         logger.error("tensor-parallel rank %d stops: %s", rank, exc)
         os._exit(1)  # a collective of another thread may still wait: do not join it
-    dist.destroy_process_group()
+    leave_group()  # if entry has not left it already
 
 
 def _watch_leader(rank: int, leader: int) -> None:

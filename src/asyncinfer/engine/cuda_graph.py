@@ -187,6 +187,17 @@ class CudaGraphs:
                 graph.logits = logits
         graph.cuda_graph = cuda_graph
 
+    def release(self) -> None:
+        """Free every captured graph now, whoever still holds this object or its graphs
+        (their replay counts stay readable): a graph keeps what it captured, a tensor-
+        parallel group's collectives included, and that group cannot be torn down while a
+        graph holds them. A released graph replays as the eager forward would run."""
+        for graph in [*self.prefill, *self.decode]:
+            if graph.cuda_graph is not None:
+                graph.cuda_graph.reset()
+            graph.cuda_graph, graph.logits = None, None
+        self._prefill_logits = None
+
     def run(self, graph: Graph, batch: Batch, inputs: torch.Tensor, last: torch.Tensor,
             computing: Callable[[], None] | None = None) -> torch.Tensor:
         """Replay ``graph`` for ``batch`` (which fits it: ``pick``). ``inputs`` [3, t] (host)

@@ -163,9 +163,10 @@ class ModelRunner:
         what they captured, tensor-parallel collectives included, is freed now."""
         if self.graphs is None:
             return
-        self.graphs = None
+        graphs, self.graphs = self.graphs, None
         if self.stream is not None:
             self.stream.synchronize()
+        graphs.release()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
