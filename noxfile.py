@@ -1,9 +1,13 @@
-"""Sessions: tests, lint, typecheck, bench (CPU) and gpu-tests (a CUDA machine)."""
+"""Sessions: tests, lint, typecheck, package, bench (CPU) and gpu-tests (a CUDA machine)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tarfile
+import tempfile
+import zipfile
 from pathlib import Path
 
 import nox
@@ -15,6 +19,10 @@ nox.options.reuse_existing_virtualenvs = True
 CPU_TORCH = "torch==2.13.0"
 PLUGINS = ["policies/shortest-prompt-first", "policies/vtc"]
 PLUGIN_TESTS = [f"{plugin}/tests" for plugin in PLUGINS]
+# What `nox -s package` asks of the installed wheel.
+PACKAGE_PROMPT = "The capital of France is"
+# No test data goes into the sdist; it is about 0.2 MB.
+MAX_SDIST_BYTES = 2 * 1024 * 1024
 
 
 def _install(session: nox.Session, extras: str = "test", cpu_torch: bool = True) -> None:
@@ -49,6 +57,88 @@ def typecheck(session: nox.Session) -> None:
     """mypy over src/."""
     _install(session, extras="test,dev")
     session.run("mypy")
+
+
+@nox.session(python="3.11")
+def package(session: nox.Session) -> None:
+    """Build the sdist and the wheel and check them; install the wheel alone into a clean venv
+    and generate with it; then install the policy plugins after it, in the order their
+    READMEs give (asyncinfer first: no package index has it), and list them.
+
+    The venv is made by ``python -m venv`` (no editable install, nothing of this session's
+    venv) and every command runs from an empty temporary folder, so only the installed wheel
+    can be imported. The environment is passed on, so the embedded model comes from the cache
+    that ``nox -s tests`` filled (``$ASYNCINFER_CACHE``, else the default location): after the
+    tests nothing is downloaded again.
+    """
+    session.install("build>=1.2.1", "twine>=6.1")
+    root = Path(__file__).resolve().parent
+    with tempfile.TemporaryDirectory(prefix="asyncinfer-package-") as tmp:
+        dist, venv, cwd = Path(tmp) / "dist", Path(tmp) / "venv", Path(tmp) / "cwd"
+        cwd.mkdir()
+        # The wheel is built from the sdist, so a file the sdist lacks is missing from both.
+        session.run("python", "-m", "build", "--quiet", "--outdir", str(dist), str(root))
+        sdists, wheels = sorted(dist.glob("*.tar.gz")), sorted(dist.glob("*.whl"))
+        if len(sdists) != 1 or len(wheels) != 1:
+            session.error(f"expected one sdist and one wheel, got {sdists + wheels}")
+        session.run("twine", "check", "--strict", str(sdists[0]), str(wheels[0]))
+        _check_dists(session, root, sdists[0], wheels[0])
+
+        session.run("python", "-m", "venv", str(venv))
+        python, bin_dir = str(venv / "bin" / "python"), str(venv / "bin")
+        env = {"PYTHONPATH": None, "VIRTUAL_ENV": str(venv),
+               "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")])}
+        with session.chdir(cwd):
+            pip = [python, "-m", "pip", "install", "--quiet", "--progress-bar", "off"]
+            session.run(*pip, CPU_TORCH, env=env, external=True)
+            session.run(*pip, str(wheels[0]), env=env, external=True)
+            where = session.run(python, "-c", "import asyncinfer; print(asyncinfer.__file__)",
+                                env=env, external=True, silent=True, stderr=None)
+            if not str(where).strip().startswith(str(venv)):
+                session.error(f"asyncinfer was imported from {where!r}, not from the venv")
+            # stdout alone: the start-up lines go to stderr, the prompt and its completion here.
+            out = session.run(str(venv / "bin" / "asyncinfer"), "generate", PACKAGE_PROMPT,
+                              "--max-tokens", "4", "--temperature", "0", env=env,
+                              external=True, silent=True, stderr=None)
+            text = str(out).strip()
+            if not (text.startswith(PACKAGE_PROMPT) and text[len(PACKAGE_PROMPT):].strip()):
+                session.error(f"asyncinfer generate printed no completion: {out!r}")
+            session.log(f"the installed wheel generated: {text!r}")
+            # The plugins' README instructions: asyncinfer installed first, then the plugin.
+            # pip builds a local project in place, so from copies: no build/ in the tree.
+            plugins = [shutil.copytree(root / plugin, Path(tmp) / Path(plugin).name,
+                                       ignore=shutil.ignore_patterns(
+                                           "build", "*.egg-info", "__pycache__"))
+                       for plugin in PLUGINS]
+            session.run(*pip, *map(str, plugins), env=env, external=True)
+            listed = str(session.run(str(venv / "bin" / "asyncinfer"), "policies", env=env,
+                                     external=True, silent=True, stderr=None))
+            if "failed to load" in listed or not all(
+                    f"\n{name}  (" in f"\n{listed}" for name in ("shortest_prompt_first", "vtc")):
+                session.error(f"the installed plugins do not load: {listed}")
+
+
+def _check_dists(session: nox.Session, root: Path, sdist: Path, wheel: Path) -> None:
+    """The wheel carries every file of the package's source folder (Python or not: data the
+    package reads at run time, such as C sources it compiles, must be listed in MANIFEST.in);
+    the sdist carries the README, any license file and no tests, within its size bound."""
+    package = root / "src" / "asyncinfer"
+    wanted = {f"asyncinfer/{path.relative_to(package).as_posix()}"
+              for path in package.rglob("*") if path.is_file()
+              and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".so")}
+    with zipfile.ZipFile(wheel) as whl:
+        missing = sorted(wanted - set(whl.namelist()))
+    if missing:
+        session.error(f"the wheel lacks {missing}: add them to MANIFEST.in")
+    with tarfile.open(sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    expected = {"README.md", "pyproject.toml", *(path.name for path in root.glob("LICEN[CS]E*"))}
+    if not expected <= names:
+        session.error(f"the sdist lacks {sorted(expected - names)}")
+    if any(name.startswith("tests/") for name in names):
+        session.error("the sdist carries tests/ (MANIFEST.in prunes it)")
+    if sdist.stat().st_size > MAX_SDIST_BYTES:
+        session.error(f"the sdist is {sdist.stat().st_size} bytes, over {MAX_SDIST_BYTES}")
 
 
 @nox.session(python="3.11")

@@ -3,12 +3,14 @@
 Every field is typed strictly (``"1"`` is not a number, ``true`` is not an integer) and every
 number is range-checked, the ranges that depend on the served model (vocabulary, context)
 through the validation context (:class:`Limits`). A body that fails becomes a 400 naming the
-field at fault (``param``), before any tokenizing or engine work. Fields of OpenAI's API that
-this server does not implement are refused unless they are unset or at their default.
+field at fault (``param``), before any tokenizing or engine work. The fields of OpenAI's API
+named in ``_UNSUPPORTED`` are not implemented and are refused unless they are unset or at their
+default; a field the models do not name at all is ignored (``extra="ignore"``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -187,7 +189,9 @@ class _OpenAISampling(_Sampling):
     def _refuse_unsupported(self) -> _OpenAISampling:
         for name, unset in _UNSUPPORTED.items():
             if getattr(self, name) not in unset:
-                raise APIError(400, f"{name} is not supported by this server", param=name)
+                allowed = " or ".join(json.dumps(v) for v in unset if v is not None)
+                raise APIError(400, f"{name} is not supported by this server: leave it unset "
+                                    f"or {allowed}", param=name)
         return self
 
     def sampling_options(self) -> dict[str, Any]:
@@ -203,11 +207,15 @@ class _OpenAISampling(_Sampling):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# Each refused field with the values that ask for nothing beyond plain generation: unset or
+# OpenAI's default. ``tool_choice``: with no tools (``tools`` is refused unless empty) OpenAI's
+# default is "none", and "auto" leaves the choice to the model among no tools, which is plain
+# generation too; "required", a named function or any other value asks for a tool call.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False), "best_of": (None, 1), "logprobs": (None, False, 0),
     "top_logprobs": (None, 0), "logit_bias": (None, {}), "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0), "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
 }
 
 _PromptSchema = WithJsonSchema({"anyOf": [
