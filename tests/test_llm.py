@@ -140,3 +140,69 @@ def test_text_prompts_and_stop_strings(smollm2_dir: Path) -> None:
     assert out.prompt == "The capital of France is"
     assert out.metrics is not None and out.metrics.first_token_time is not None
     assert not llm.scheduler.has_work and not llm.scheduler.running
+
+
+def _captured_bar(monkeypatch: pytest.MonkeyPatch, mininterval: float) -> list[str]:
+    """Make ``LLM.generate``'s bar write into a list (one entry per print, ANSI-free) and
+    refresh at most every ``mininterval`` seconds."""
+    import functools
+    import io
+
+    import tqdm.auto
+
+    frames: list[str] = []
+
+    class Frames(io.StringIO):
+        def write(self, text: str) -> int:
+            if text.strip("\r\n\x1b[A "):
+                frames.append(text)
+            return len(text)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", functools.partial(
+        tqdm.auto.tqdm, file=Frames(), mininterval=mininterval, ascii=True))
+    return frames
+
+
+def _shown(frames: list[str]) -> list[tuple[int, int]]:
+    """(requests done, output tokens) of every printed frame of the bar."""
+    import re
+
+    shown = []
+    for frame in frames:
+        match = re.search(r"(\d+)/\d+ .*out=(\d+) tok, [\d.]+ tok/s", frame)
+        if match:
+            shown.append((int(match[1]), int(match[2])))
+    return shown
+
+
+def test_progress_bar_shows_output_tokens_as_they_arrive(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Eight requests, four slots: no request ends before many tokens have been generated.
+    frames = _captured_bar(monkeypatch, mininterval=0.0)
+    llm = tiny_llm(tiny_llama_dir, max_running_requests=4)
+    prompts = [[3 + i, 40 + i, 70 + i, 9] for i in range(8)]
+    outputs = llm.generate(prompts, greedy(24))
+    total = sum(len(o.token_ids) for o in outputs)
+    assert total == 8 * 24
+    shown = _shown(frames)
+    assert shown[-1] == (8, total)
+    # The token count moved while no request had finished, and it never went back.
+    assert any(done == 0 and 0 < tokens < total for done, tokens in shown)
+    assert any(0 < tokens < total for _, tokens in shown[:-1])
+    assert [t for _, t in shown] == sorted(t for _, t in shown)
+
+
+def test_progress_bar_refreshes_at_a_bounded_rate(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With an interval longer than the run, the bar prints its start and its end only,
+    # however many tokens arrive; the end still has the exact count.
+    frames = _captured_bar(monkeypatch, mininterval=3600.0)
+    llm = tiny_llm(tiny_llama_dir, max_running_requests=4)
+    outputs = llm.generate([[5, 6, 7, i] for i in range(8)], greedy(16))
+    assert len(frames) <= 2
+    assert _shown(frames)[-1] == (8, sum(len(o.token_ids) for o in outputs))
+    # Without the bar nothing is printed and outputs are the same.
+    assert [o.token_ids for o in llm.generate([[5, 6, 7, i] for i in range(8)], greedy(16),
+                                               use_tqdm=False)] == [o.token_ids for o in outputs]

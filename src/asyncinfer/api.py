@@ -9,6 +9,7 @@ import gc
 import itertools
 import logging
 import pickle
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import attrs
 
 from asyncinfer.config import EngineConfig, ModelConfig
 from asyncinfer.coordinator import Coordinator, RoundObserver
+from asyncinfer.core import Event
 from asyncinfer.distributed.launch import STOP_TIMEOUT, Ranks, backend_for, leave_group
 from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.distributed.sync import RoundSync
@@ -301,19 +303,43 @@ class LLM:
 
     async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
                         use_tqdm: bool) -> list[RequestOutput]:
+        """Run every request at once. The bar counts finished requests against the total
+        and shows the output tokens so far with their rate, as the tokens arrive (see
+        :class:`_TokenMeter`): a long batch moves before its first request ends."""
         from tqdm.auto import tqdm
 
         await self.engine.start()
-        with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm,
+                  postfix=_TokenMeter.label(0, 0.0)) as bar:
+            meter = _TokenMeter(bar) if use_tqdm else None
+
             async def one(prompt: Prompt, p: SamplingParams) -> RequestOutput:
-                out = await self.engine.generate(prompt, p)
+                if meter is None:
+                    out = await self.engine.generate(prompt, p)
+                else:
+                    out = await self._metered(prompt, p, meter)
+                    meter.relabel()  # the line update() may print is current
                 bar.update(1)
                 return out
 
             outputs = await asyncio.gather(*(one(x, p) for x, p in zip(prompts, params)))
+            if meter is not None:
+                meter.finish(sum(len(o.token_ids) for o in outputs))
         # Requests ended by a stop string were aborted by message; let the loop apply that.
         await self.engine.wait_idle()
         return list(outputs)
+
+    async def _metered(self, prompt: Prompt, p: SamplingParams, meter: _TokenMeter
+                       ) -> RequestOutput:
+        """``AsyncEngine.generate``, with the request's events counted by ``meter`` on
+        their way to its channel."""
+        engine = self.engine
+        ids = engine.encode(prompt)
+        uid = next(engine._uids)
+        return await complete(uid, prompt, ids, p, engine.tokenizer,
+                              lambda channel: engine.submit(uid, ids, p,
+                                                            _MeteredChannel(channel, meter)),
+                              lambda: engine.abort(uid))
 
     def close(self) -> None:
         """Stop the engine's loop (also done when the object is collected)."""
@@ -324,6 +350,72 @@ class LLM:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+class _TokenMeter:
+    """The output tokens of one ``LLM.generate`` call, counted as the engine delivers
+    them, and shown on its progress bar (``out=N tok, R tok/s``, R averaged since the
+    start) at most once per ``bar.mininterval``.
+
+    A token costs one addition: the first token of an engine round schedules one check
+    of the clock after the round's deliveries, and only a due check formats and prints.
+    So a fast engine pays per round, not per token, and the terminal sees a bounded rate.
+    """
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.tokens = 0
+        self.start = self.shown = time.perf_counter()
+        self.interval = float(bar.mininterval)
+        self._checking = False
+        self._loop = asyncio.get_running_loop()
+
+    @staticmethod
+    def label(tokens: int, elapsed: float) -> str:
+        rate = tokens / elapsed if elapsed > 0 else 0.0
+        return f"out={tokens} tok, {rate:.1f} tok/s"
+
+    def check_soon(self) -> None:
+        """Tokens arrived (counted by the channel): look at the clock once this round's
+        deliveries are done."""
+        self._checking = True
+        self._loop.call_soon(self._check)
+
+    def _check(self) -> None:
+        self._checking = False
+        now = time.perf_counter()
+        if now - self.shown >= self.interval:
+            self.shown = now
+            self.bar.set_postfix_str(self.label(self.tokens, now - self.start))
+
+    def relabel(self) -> None:
+        """Bring the label up to date without printing (the bar prints when it is due)."""
+        self.bar.set_postfix_str(
+            self.label(self.tokens, time.perf_counter() - self.start), refresh=False)
+
+    def finish(self, tokens: int) -> None:
+        """The final label, from the outputs' own counts (a request that met a stop string
+        may have been delivered a token or two its output dropped); closing prints it."""
+        self.tokens = tokens
+        self.relabel()
+
+
+class _MeteredChannel:
+    """A request's channel that counts its tokens on ``meter`` and passes every event on."""
+
+    __slots__ = ("channel", "meter")
+
+    def __init__(self, channel: Channel, meter: _TokenMeter) -> None:
+        self.channel = channel
+        self.meter = meter
+
+    def put_nowait(self, event: Event) -> None:
+        if event.token is not None:
+            meter = self.meter
+            meter.tokens += 1
+            if not meter._checking:
+                meter.check_soon()
+        self.channel.put_nowait(event)
 
 
 def _needs_ranks(config: EngineConfig) -> bool:
