@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
 from asyncinfer.errors import AsyncInferError
-from asyncinfer.options import add_engine_arguments, engine_options
+from asyncinfer.options import (
+    add_engine_arguments,
+    configure_logging,
+    engine_options,
+    in_flag_terms,
+)
 
 # `generate` runs one request: one request slot is enough, unless --max-running-requests says.
 GENERATE_DEFAULTS = {"max_running_requests": 1}
@@ -37,6 +41,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_generate(args: argparse.Namespace) -> None:
+    """What ``generate`` cannot run, refused before the model is fetched or loaded."""
+    from asyncinfer.options import check_environment, preflight
+
+    check_environment(preflight(args, GENERATE_DEFAULTS))
+
+
 def _models(args: argparse.Namespace) -> int:
     from asyncinfer.models.source import EMBEDDED_NAME, cached_models, models_dir
 
@@ -60,7 +71,10 @@ def _policies(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log every library's INFO lines, with their level and logger "
+                             "(by default: asyncinfer's start-up steps and progress, and "
+                             "warnings)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from asyncinfer.server.cli import add_serve_parser
@@ -81,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen, exclude=("seed", "policy", "policy_options"),
                          title=ENGINE_OPTIONS,
                          defaults_here={k: str(v) for k, v in GENERATE_DEFAULTS.items()})
-    gen.set_defaults(func=_generate)
+    gen.set_defaults(func=_generate, check=_check_generate)
 
     models = sub.add_parser("models", help="list the models in the cache")
     models.set_defaults(func=_models)
@@ -102,14 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script."""
+    """Entry point of the console script.
+
+    A subcommand's ``check`` (where it has one) runs first: what cannot work with the
+    flags given, or on this machine, is refused before anything is fetched or loaded. An
+    error asyncinfer raises on purpose is one line on stderr, the options it names spelled
+    as flags, and exit status 2 (argparse's for a usage error)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.verbose)
     try:
+        check = getattr(args, "check", None)
+        if check is not None:
+            check(args)
         return int(args.func(args))
     except AsyncInferError as exc:
-        print(f"asyncinfer: error: {exc}", file=sys.stderr)
+        message = " ".join(in_flag_terms(str(exc)).split())  # one line, whatever it holds
+        print(f"asyncinfer: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -12,6 +12,7 @@ the properties that need torch import it when called.
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -49,7 +50,8 @@ def _dtype_name(name: str) -> str:
         return _DTYPES[name.lower()]
     except (KeyError, AttributeError):
         raise ConfigError(
-            f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
+            f"dtype must be one of float32, bfloat16, float16 (or fp32, bf16, fp16, half), "
+            f"got {name!r}") from None
 
 
 @frozen
@@ -190,7 +192,7 @@ def _dtype(_: object, attribute: Attribute[Any], value: Any) -> None:
 
 
 def _device(_: object, attribute: Attribute[Any], value: Any) -> None:
-    if not isinstance(value, str) or not value.startswith(("cpu", "cuda")):
+    if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", value):
         raise ConfigError(f"{attribute.name} must be 'cpu' or 'cuda[:N]', got {value!r}")
 
 

@@ -150,6 +150,8 @@ class CudaGraphs:
         """Capture every graph, largest first, into one memory pool (CUDA only)."""
         if self.device.type != "cuda":
             return
+        logger.info("capturing CUDA graphs: decode of %s requests, %s", self.decode_sizes,
+                    f"prefill of {self.prefill_sizes} tokens" if self.prefill else "no prefill")
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)

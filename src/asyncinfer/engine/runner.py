@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -115,6 +116,10 @@ class ModelRunner:
         self.pool = KVPool(cfg.num_layers, self.num_pages + extra_pages, page,
                            cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         if config.compiles:
+            # Compiling takes a while at start: say so before, and how long it took once
+            # the sampler's warm-up below has compiled too.
+            logger.info("compiling the fused layer ops and the sampler with torch.compile")
+            compile_start = time.perf_counter()
             self.model.compile_layer_ops(self.pool)
         self.max_rows = config.max_running_requests
         # Whole pages per row, plus one column so a sampled token always has a place.
@@ -128,6 +133,9 @@ class ModelRunner:
             cfg.head_dim**-0.5, self.dtype, self.device, self.scratch_page))
         self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device)
         self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
+        if config.compiles:
+            logger.info("compiled with torch.compile in %.1f s",
+                        time.perf_counter() - compile_start)
         self.stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)

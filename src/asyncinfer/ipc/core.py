@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from asyncinfer.core import Event
+from asyncinfer.errors import AsyncInferError
 from asyncinfer.ipc import messages as msg
 from asyncinfer.outputs import EngineStats
 from asyncinfer.processes import new_event_loop, watch_exit
@@ -191,18 +192,26 @@ class EngineCore:
 
 
 def run_engine_core(options: dict[str, Any], addresses: msg.Addresses, fronts: int,
-                    ready: Connection, log_level: int) -> None:
-    """The core process's entry: load the engine, report ready (a CoreInfo) or the error
-    that stopped it (a string) on ``ready``, then serve until stopped."""
-    logging.basicConfig(level=log_level,
-                        format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from asyncinfer.api import AsyncEngine
+                    ready: Connection, verbose: bool = False) -> None:
+    """The core process's entry: check that this machine can run ``options`` (before
+    anything is fetched or loaded: see ``options.check_environment``), load the engine,
+    report ready (a CoreInfo) or the error that stopped it (a string, one line for an
+    error raised on purpose) on ``ready``, then serve until stopped."""
+    from asyncinfer.options import configure_logging
 
+    configure_logging(verbose, "core")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        from asyncinfer.config import EngineConfig
+        from asyncinfer.options import check_environment
+
+        check_environment(EngineConfig(**options))
+        from asyncinfer.api import AsyncEngine
+
         engine = AsyncEngine(**options)
     except Exception as exc:
-        ready.send(f"{type(exc).__name__}: {exc}")
+        ready.send(str(exc) if isinstance(exc, AsyncInferError)
+                   else f"{type(exc).__name__}: {exc}")
         ready.close()
         raise SystemExit(1) from None
     parent = os.getppid()
@@ -225,10 +234,12 @@ async def _serve(engine: Any, addresses: msg.Addresses, fronts: int, ready: Conn
         core.stop()
 
     unwatch = watch_exit(parent, orphaned)
+    runner = engine.runner
     ready.send(msg.CoreInfo(os.getpid(), engine.model_name, engine.config.model,
-                            engine.context_len, engine.runner.num_pages,
-                            engine.runner.page_size, engine.policy.name,
-                            engine.runner.tp.size))
+                            engine.context_len, runner.num_pages, runner.page_size,
+                            engine.policy.name, runner.tp.size, str(runner.device),
+                            str(runner.dtype).removeprefix("torch."),
+                            engine.config.resolved_attention_backend))
     ready.close()
     try:
         await core.run()

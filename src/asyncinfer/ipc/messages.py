@@ -104,7 +104,9 @@ class Addresses:
 
 @attrs.frozen
 class CoreInfo:
-    """What the core tells the server once its model is loaded."""
+    """What the core tells the server once its model is loaded (the ready banner and the
+    routes that describe the server show it): ``device`` is rank 0's, ``dtype`` torch's
+    name of the engine's, ``attention`` the backend that runs it."""
 
     pid: int
     model_name: str
@@ -114,6 +116,9 @@ class CoreInfo:
     page_size: int = 16
     policy: str = ""
     tp_size: int = 1
+    device: str = ""
+    dtype: str = ""
+    attention: str = ""
 
 
 encode = msgspec.msgpack.Encoder().encode

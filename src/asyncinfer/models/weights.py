@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from asyncinfer.errors import ModelNotFoundError
+from asyncinfer.models.source import Progress
 
 # What part of a tensor to read, given its name and full shape: None, all of it; (dim,
 # start, stop), that range along dim; ZEROS, none of it (zeros of the full shape).
@@ -28,15 +30,15 @@ def iter_safetensors(model_dir: Path,
     if not files:
         raise ModelNotFoundError(
             f"{model_dir} has no *.safetensors files (other weight formats are not supported)")
+    # Lines, not a bar: tensor-parallel ranks load at the same time, each in its process.
+    progress = Progress(f"loading weights from {model_dir}",
+                        sum(f.stat().st_size for f in files), bar=False)
     for file in files:
         with safe_open(str(file), framework="pt") as shard:
             for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if part is None:
-                    yield name, shard.get_tensor(name)
-                    continue
                 lazy = shard.get_slice(name)
                 shape = tuple(lazy.get_shape())
-                wanted = part(name, shape)
+                wanted = None if part is None else part(name, shape)
                 if wanted is None:
                     yield name, shard.get_tensor(name)
                 elif wanted == ZEROS:
@@ -45,6 +47,9 @@ def iter_safetensors(model_dir: Path,
                     dim, start, stop = wanted
                     index = tuple([slice(None)] * dim + [slice(start, stop)])
                     yield name, lazy[index]
+                # The checkpoint's bytes gone through, whatever part of them this rank read.
+                progress.update(math.prod(shape) * _ITEM_BYTES.get(lazy.get_dtype(), 2))
+    progress.close("loaded")
 
 
 def init_dummy(model: nn.Module, seed: int = 0) -> None:
@@ -57,6 +62,10 @@ def init_dummy(model: nn.Module, seed: int = 0) -> None:
             else:
                 values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
                 param.copy_(values)
+
+
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1,
+               "BOOL": 1}
 
 
 def _dtype(name: str) -> torch.dtype:

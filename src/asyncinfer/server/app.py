@@ -380,7 +380,8 @@ class _Routes:
             if response is None:
                 raise
             call.outcome = call.outcome or "cancelled"
-            logger.info("client went away during %s; request aborted", call.request.path)
+            # Routine (and counted in /metrics): not a line at the default log level.
+            logger.debug("client went away during %s; request aborted", call.request.path)
         except Exception as exc:
             if response is None:
                 raise
@@ -475,17 +476,21 @@ class WorkerInfo:
     tp_size: int = 1
     policy: str | None = None
     page_size: int = 16
+    device: str | None = None
+    dtype: str | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str, tp_size: int = 1, policy: str | None = None,
-                       page_size: int = 16) -> WorkerInfo:
+                       page_size: int = 16, *, device: str | None = None,
+                       dtype: str | None = None) -> WorkerInfo:
         """Read from the model directory's config.json (what is missing stays None)."""
         try:
             config = json.loads((Path(model_dir) / "config.json").read_text())
         except (OSError, ValueError):
             config = {}
         return cls(model_dir, config.get("model_type"),
-                   tuple(config.get("architectures") or ()), tp_size, policy, page_size)
+                   tuple(config.get("architectures") or ()), tp_size, policy, page_size,
+                   device, dtype)
 
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path,
@@ -494,6 +499,7 @@ class WorkerInfo:
     def server_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path,
                 "tp_size": self.tp_size, "dp_size": 1, "policy": self.policy,
+                "page_size": self.page_size, "device": self.device, "dtype": self.dtype,
                 "engine": "asyncinfer"}
 
 

@@ -10,6 +10,7 @@ import argparse
 import os
 from typing import Any
 
+from asyncinfer.errors import ConfigError
 from asyncinfer.options import add_engine_arguments
 
 
@@ -17,6 +18,39 @@ def _serve(args: argparse.Namespace) -> int:
     from asyncinfer.server.main import serve
 
     return serve(args)
+
+
+def check_serve_flags(args: argparse.Namespace) -> None:
+    """The server's own flags: what no server can run with is a ConfigError naming it."""
+    for name, value, least in (("--dp", args.dp, 1), ("--api-workers", args.api_workers, 1),
+                               ("--max-waiting-requests", args.max_waiting_requests, 1),
+                               ("--default-max-tokens", args.default_max_tokens, 1),
+                               ("--max-tokens-limit", args.max_tokens_limit, 1)):
+        if value is not None and value < least:
+            raise ConfigError(f"{name} must be at least {least}, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be a TCP port, 0 to 65535, got {args.port}")
+    for name, seconds in (("--header-timeout", args.header_timeout),
+                          ("--body-timeout", args.body_timeout)):
+        if not seconds > 0:
+            raise ConfigError(f"{name} must be more than 0 seconds, got {seconds:g}")
+    for name, seconds in (("--shutdown-timeout", args.shutdown_timeout),
+                          ("--shutdown-delay", args.shutdown_delay)):
+        if not seconds >= 0:
+            raise ConfigError(f"{name} must be 0 seconds or more, got {seconds:g}")
+
+
+def _check_serve(args: argparse.Namespace) -> None:
+    """What ``serve`` cannot run, refused before anything is fetched or loaded. The flags
+    are checked here, in the process that stays an HTTP front, without torch; what needs
+    torch (the device, the model's split) the engine core checks first thing, or, for
+    ``--dp`` replicas, the launcher, which needs to know about every GPU they take."""
+    from asyncinfer.options import check_environment, preflight
+
+    check_serve_flags(args)
+    config = preflight(args)
+    if args.dp > 1:
+        check_environment(config, replicas=args.dp)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -73,5 +107,5 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="let prompt and chat text spell control tokens such as "
                              "<|im_end|> (off: such text is tokenized as plain text)")
     add_engine_arguments(serve, title="engine options")
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, check=_check_serve)
     return serve

@@ -33,8 +33,9 @@ from aiohttp import web
 
 from asyncinfer.errors import ConfigError, EngineError
 from asyncinfer.ipc.messages import Addresses, CoreInfo
-from asyncinfer.options import engine_options
+from asyncinfer.options import configure_logging, engine_options
 from asyncinfer.processes import describe_exit, new_event_loop, watch_exit
+from asyncinfer.server.cli import check_serve_flags
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
@@ -92,15 +93,13 @@ def app_runner(app: web.Application, header_timeout: float) -> web.AppRunner:
 def serve(args: argparse.Namespace) -> int:
     """Serve the model on ``args.host:args.port`` until SIGTERM or SIGINT (then 0), or until
     a process of the server dies (then 1)."""
+    check_serve_flags(args)
     if args.dp > 1:
         from asyncinfer.server.replicas import serve_replicas
 
         return serve_replicas(args)
-    if args.dp < 1:
-        raise ConfigError(f"--dp must be at least 1, got {args.dp}")
     workers = args.api_workers
-    if workers < 1:
-        raise ConfigError(f"--api-workers must be at least 1, got {workers}")
+    verbose = bool(getattr(args, "verbose", False))
     listener = listen(args.host, args.port)
     directory = tempfile.mkdtemp(prefix="asyncinfer-")
     addresses = Addresses(directory)
@@ -108,11 +107,11 @@ def serve(args: argparse.Namespace) -> int:
     core: SpawnProcess | None = None
     fronts: list[SpawnProcess] = []
     try:
-        core, info = _start_core(spawn, engine_options(args), addresses, workers)
+        core, info = _start_core(spawn, engine_options(args), addresses, workers, verbose)
         for index in range(1, workers):
             front = spawn.Process(target=_front_process, name=f"asyncinfer-front-{index}",
                                   args=(args, info, addresses, index, workers, listener,
-                                        logging.getLogger().level))
+                                        verbose))
             front.start()
             fronts.append(front)
         loop = new_event_loop()
@@ -139,7 +138,8 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise ConfigError(f"cannot listen on {host}:{port} (--host, --port): "
+                          f"{exc.strerror}") from None
     # A burst of clients must not overflow the accept queue (aiohttp's default is 128).
     sock.listen(4096)
     sock.setblocking(False)
@@ -147,13 +147,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def _start_core(spawn: Any, options: dict[str, Any], addresses: Addresses,
-                workers: int) -> tuple[SpawnProcess, CoreInfo]:
+                workers: int, verbose: bool) -> tuple[SpawnProcess, CoreInfo]:
     """Start the engine core and wait for its CoreInfo (or the error it failed with)."""
     from asyncinfer.ipc.core import run_engine_core
 
     receive, send = spawn.Pipe(duplex=False)
     core = spawn.Process(target=run_engine_core, name="asyncinfer-core",
-                         args=(options, addresses, workers, send, logging.getLogger().level))
+                         args=(options, addresses, workers, send, verbose))
     core.start()
     send.close()
     try:
@@ -194,11 +194,9 @@ def _reap(process: Any, timeout: float) -> None:
 
 
 def _front_process(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
-                   index: int, workers: int, listener: socket.socket, log_level: int) -> None:
+                   index: int, workers: int, listener: socket.socket, verbose: bool) -> None:
     """The entry of fronts 1 .. N-1."""
-    logging.basicConfig(level=log_level,
-                        format=f"%(asctime)s %(levelname)s [front {index}] %(name)s: "
-                               "%(message)s")
+    configure_logging(verbose, f"front {index}")
     loop = new_event_loop()
     try:
         code = loop.run_until_complete(_front(args, info, addresses, index, workers, listener,
@@ -244,7 +242,8 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
     runner: web.AppRunner | None = None
     try:
         worker = WorkerInfo.from_model_dir(info.model_dir, info.tp_size, info.policy,
-                                           info.page_size)
+                                           info.page_size, device=info.device or None,
+                                           dtype=info.dtype or None)
         app = create_app(client, api_key=args.api_key,
                          served_model_name=args.served_model_name, options=server_options(args),
                          worker=worker)
@@ -252,11 +251,12 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
         await runner.setup()
         await web.SockSite(runner, listener).start()
         if index == 0:
-            logger.info("serving %s on http://%s:%d with %d front process(es)",
-                        args.served_model_name or info.model_name, args.host, args.port,
-                        workers)
-            print(f"asyncinfer: serving on http://{args.host}:{args.port} (Ctrl-C to stop)",
-                  flush=True)
+            url = http_url(args.host, listener.getsockname()[1])
+            replica = getattr(args, "replica", None)
+            if replica is None:
+                logger.info("%s", banner(info, url, args.served_model_name, workers))
+            else:  # the launcher's banner names every replica
+                logger.info("replica %d ready on %s", replica, url)
         await stop.wait()
         for child in children or []:  # they drain at the same time as this one
             with contextlib.suppress(ProcessLookupError):
@@ -280,6 +280,35 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
             client.shutdown_core()
         await client.close()
     return 1 if failure else 0
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL of a server listening on ``host:port`` (an IPv6 host in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def banner(info: CoreInfo, url: str, served_name: str | None = None,
+           workers: int = 1) -> str:
+    """What a server says once it is ready: the model, where it runs and how (device,
+    dtype, attention, policy, tensor and data parallelism), its KV cache in pages and
+    tokens, and where to reach it."""
+    name = served_name or info.model_name
+    served = "" if name == info.model_name else f", served as {name!r}"
+    runs = ", ".join(x for x in (info.device, info.dtype,
+                                 f"{info.attention} attention" if info.attention else "") if x)
+    tokens = info.kv_pages_total * info.page_size
+    fronts = f", {workers} HTTP front processes" if workers > 1 else ""
+    return "\n".join([
+        f"serving {name} on {url} (Ctrl-C to stop)",
+        f"  model     {info.model_name}{served}, from {info.model_dir}",
+        f"  device    {runs}",
+        f"  policy    {info.policy}",
+        f"  parallel  tp {info.tp_size}, dp 1{fronts}",
+        f"  KV cache  {info.kv_pages_total} pages of {info.page_size} tokens = {tokens} "
+        f"tokens; context {info.context_len} tokens",
+        f"  API       {url}/v1 (OpenAI: /v1/completions, /v1/chat/completions), "
+        f"{url}/health, {url}/metrics",
+    ])
 
 
 def _pid(process: SpawnProcess) -> int:

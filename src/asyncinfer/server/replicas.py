@@ -34,7 +34,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from asyncinfer.errors import ConfigError, EngineError
+from asyncinfer.errors import AsyncInferError, ConfigError, EngineError
 from asyncinfer.processes import describe_exit, die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,9 @@ def serve_replicas(args: argparse.Namespace) -> int:
         raise ConfigError("--dp needs sglang-router: pip install 'asyncinfer[router]'"
                           ) from None
     tp = args.tensor_parallel_size or 1
+    from asyncinfer.server.main import listen
+
+    listen(args.host, args.port).close()  # the router's port is free: fail now, not later
     ports = [_free_port() for _ in range(count)]
     spawn = multiprocessing.get_context("spawn")
     replicas = [spawn.Process(target=_replica_main, name=f"asyncinfer-replica-{i}",
@@ -75,10 +78,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
             return 0
         router = _start_router(args, urls)
         _wait_router(router, args, count, stop)
-        logger.info("serving %d replicas behind sglang-router (%s) on http://%s:%d",
-                    count, args.router_policy, args.host, args.port)
-        print(f"asyncinfer: serving {count} replicas through sglang-router on "
-              f"http://{args.host}:{args.port} (Ctrl-C to stop)", flush=True)
+        logger.info("%s", banner(args, urls, [_server_info(url) for url in urls]))
         while not stop.wait(0.2):
             failure = _first_exit(replicas, router)
             if failure:
@@ -109,7 +109,7 @@ def _replica_args(args: argparse.Namespace, index: int, tp: int,
                   port: int) -> argparse.Namespace:
     """Replica ``index``'s own serve arguments: one replica, a local port, its GPUs."""
     own = copy.copy(args)
-    own.dp, own.host, own.port = 1, "127.0.0.1", port
+    own.dp, own.host, own.port, own.replica = 1, "127.0.0.1", port, index
     if args.shutdown_delay == 0.0:  # the router must see /health fail before the drain
         own.shutdown_delay = HEALTH_INTERVAL * (HEALTH_FAILURES + 1)
     device = args.device or "cpu"
@@ -121,13 +121,52 @@ def _replica_args(args: argparse.Namespace, index: int, tp: int,
 
 def _replica_main(args: argparse.Namespace) -> None:
     """A replica's process: ``asyncinfer serve`` for one replica, ended with its parent."""
+    from asyncinfer.options import configure_logging
     from asyncinfer.server.main import serve
 
     die_with_parent(signal.SIGTERM)
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format=f"%(asctime)s %(levelname)s [replica :{args.port}] "
-                               "%(name)s: %(message)s")
-    raise SystemExit(serve(args))
+    configure_logging(bool(getattr(args, "verbose", False)), f"replica :{args.port}")
+    try:
+        code = serve(args)
+    except AsyncInferError as exc:  # one line; the launcher says which replica stopped
+        logger.error("replica %d: %s", args.replica, exc)
+        code = 2
+    raise SystemExit(code)
+
+
+def banner(args: argparse.Namespace, urls: list[str], infos: list[dict[str, Any]]) -> str:
+    """What the launcher says once the router lists every replica: the router's URL and
+    policy, the model and how it runs, and each replica's URL, device and KV cache (from
+    its /server_info)."""
+    from asyncinfer.server.main import http_url
+
+    url = http_url(args.host, args.port)
+    first = infos[0] if infos else {}
+    name = first.get("served_model_name") or "?"
+    lines = [f"serving {len(urls)} replicas of {name} behind sglang-router "
+             f"({args.router_policy}) on {url} (Ctrl-C to stop)",
+             f"  model     {name}, from {first.get('model_path')}",
+             f"  dtype     {first.get('dtype')}",
+             f"  policy    {first.get('policy')}",
+             f"  parallel  tp {first.get('tp_size', 1)}, dp {len(urls)}"]
+    for index, (replica, info) in enumerate(zip(urls, infos)):
+        pages, page = info.get("kv_pages_total", 0), info.get("page_size") or 16
+        lines.append(f"  replica {index} {replica}: {info.get('device')}, KV cache {pages} "
+                     f"pages of {page} tokens = {pages * page} tokens")
+    lines.append(f"  API       {url}/v1 (OpenAI, through the router), {url}/workers")
+    return "\n".join(lines)
+
+
+def _server_info(url: str) -> dict[str, Any]:
+    """A replica's /server_info (empty if it cannot be read)."""
+    import json
+
+    try:
+        with urllib.request.urlopen(f"{url}/server_info", timeout=5) as response:
+            info = json.loads(response.read())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def _router_command(args: argparse.Namespace, urls: list[str]) -> list[str]:
