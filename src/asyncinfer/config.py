@@ -285,6 +285,10 @@ class EngineConfig:
         "auto", choices=CpuFp32Compute,
         help="on a CPU, run a bf16/fp16 model's matrix products and attention in float32 "
              "kernels: when the CPU lacks half-precision units (auto), always or never")
+    cpu_kernels: bool = option(
+        True, help="on a CPU, compile this CPU's own decode-attention kernel (reads K and V "
+                   "in place in the paged cache; needs a C compiler) instead of torch's "
+                   "gather and SDPA")
     max_extend_tokens: int = option(4096, check=_positive,
                                     help="prefill tokens one round may compute")
     chunked_prefill: bool = option(True, help="split a prompt longer than max_extend_tokens "

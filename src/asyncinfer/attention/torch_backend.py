@@ -1,7 +1,10 @@
 """The reference attention backend: torch SDPA over K/V gathered from the page pool.
 
 It runs on any device and dtype. Its plan reads the host page table and uploads the slots
-each request attends to (without blocking on CUDA).
+each request attends to (without blocking on CUDA). On a CPU, decode batches run a kernel
+compiled for this CPU (``attention.native``) that reads K and V in place through the page
+table, when it builds: gathering every request's whole prefix each step cost more than the
+attention itself.
 """
 
 from __future__ import annotations
@@ -29,6 +32,19 @@ class TorchMetadata:
     q_bounds: list[tuple[int, int]]       # per request: its rows in the flat token axis
     starts: list[int]
     decode_groups: list[DecodeGroup]      # when every request decodes
+    native: NativeDecode | None = None    # when every request decodes, with the CPU kernel
+
+
+@define
+class NativeDecode:
+    """A decode batch for the CPU kernel: its requests' rows of the page table, copied at
+    planning (the scheduler edits the table for the next batch while this one runs), and
+    their lengths."""
+
+    table: torch.Tensor                   # [n, max_len] int64: KV slot of each position
+    rows: torch.Tensor                    # [n] int64: 0 .. n-1, rows of ``table``
+    lens: torch.Tensor                    # [n] int64: positions 0 .. len attended
+    max_len: int
 
 
 @define
@@ -57,6 +73,14 @@ class TorchBackend:
         self.page_table = spec.page_table
         self.scale = spec.scale
         self.device = spec.device
+        self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
+        self.native = None
+        if spec.native and spec.device.type == "cpu":
+            from asyncinfer.attention.native import load
+
+            kernels = load()
+            if kernels is not None and kernels.supports(spec.pool.k.dtype):
+                self.native = kernels
 
     @classmethod
     def check(cls, device: torch.device, dtype: torch.dtype) -> None:
@@ -68,6 +92,13 @@ class TorchBackend:
         for n in batch.extend_lens:
             bounds.append((offset, offset + n))
             offset += n
+        if batch.phase == "decode" and self.native is not None:
+            ends = list(batch.ends)
+            longest = max(ends)
+            table = self.page_table[torch.tensor(batch.rows), :longest]
+            return TorchMetadata(out_loc, [], bounds, list(batch.starts), [], NativeDecode(
+                table, torch.arange(batch.size), torch.tensor(ends, dtype=torch.int64),
+                longest))
         if batch.phase == "decode":  # the groups hold all the slots decode reads
             return TorchMetadata(out_loc, [], bounds, list(batch.starts),
                                  self._decode_groups(batch))
@@ -120,6 +151,12 @@ class TorchBackend:
         the pool; a prompt with nothing cached attends over the fresh k, v directly)."""
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
         out_dtype, dtype = q.dtype, k_pool.dtype
+        if meta.native is not None:
+            assert self.native is not None
+            out = self.native.decode_attention(
+                q, k_pool, v_pool, meta.native.table, meta.native.rows, meta.native.lens,
+                self.scale, meta.native.max_len)
+            return out.view(q.shape[0], -1).to(out_dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if meta.decode_groups:
             out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -130,7 +130,8 @@ class ModelRunner:
                                       device=self.device)
         self.backend = backend_cls(AttentionSpec(
             self.pool, self.page_table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.head_dim**-0.5, self.dtype, self.device, self.scratch_page))
+            cfg.head_dim**-0.5, self.dtype, self.device, self.scratch_page,
+            native=config.cpu_kernels))
         self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device)
         self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
         if config.compiles:
