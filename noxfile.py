@@ -65,7 +65,7 @@ def package(session: nox.Session) -> None:
     and generate with it; then install the policy plugins after it, in the order their
     READMEs give (asyncinfer first: no package index has it), and list them.
 
-    The venv is made by ``python -m venv`` (no editable install, nothing of this session's
+    The venv is made by ``python -m venv`` (no editable install, nothing of the tests'
     venv) and every command runs from an empty temporary folder, so only the installed wheel
     can be imported. The environment is passed on, so the embedded model comes from the cache
     that ``nox -s tests`` filled (``$ASYNCINFER_CACHE``, else the default location): after the
