@@ -1,7 +1,9 @@
-"""The CPU decode-attention kernel (asyncinfer.attention.native) against torch's SDPA over
+"""The CPU decode-attention kernel (asyncinfer.kernels.cpu) against torch's SDPA over
 gathered K and V, in float32 and over a bfloat16 pool, built for AVX2 (x86-64-v3) and for
 this CPU (-march=native: AVX-512 with bf16 units where there are): each build is pinned to
-the reference, and the builds to each other."""
+the reference, and the builds to each other. The layer ops (norms, rotary with the KV
+store, SiLU) against layers.fused's torch code in bfloat16, the builds bit for bit to each
+other, and the bf16 engine on all the kernels against float32 transformers."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from asyncinfer.attention import native
+from asyncinfer.kernels import cpu as native
 
 
 def _cpu_has(flag: str) -> bool:
@@ -96,3 +98,162 @@ def test_the_engine_uses_the_kernel_on_cpu_and_gives_the_gather_paths_tokens(
                                                           use_tqdm=False)])
         llm.close()
     assert outputs[0] == outputs[1]
+
+
+# ---- the layer ops (bfloat16 activations) against layers.fused's torch code ----
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between a and b in bfloat16 steps (same-sign values)."""
+    bits = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+    return int(bits.max())
+
+
+def _close_to_torch(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    # Our RMSNorm sums its squares in another order than torch (whose own order differs
+    # between its AVX2 and AVX-512 code), and SiLU's exp is ours: a rare normalized value
+    # rounds one step the other way, which the weight's product may widen to two.
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    assert _bf16_ulps(ours, theirs) <= 2
+    assert (ours != theirs).float().mean().item() <= 1e-3
+
+
+def _rope_case(tokens: int, heads: int, kv_heads: int, dim: int, qk_norm: bool):
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
+    positions = torch.randint(0, 4000, (tokens,), generator=gen)
+    freqs = 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim)
+    angles = positions[:, None].float() * freqs[None]
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = (f(angles).bfloat16().unsqueeze(1) for f in (torch.cos, torch.sin))
+    weights = [(1 + 0.1 * torch.randn(dim, generator=gen)).bfloat16() if qk_norm else None
+               for _ in range(2)]
+    slots = torch.randperm(4 * tokens, generator=gen)[:tokens]
+    return qkv, cos, sin, weights, slots
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_norms_and_silu_equal_torchs_bf16(march: str, tokens: int) -> None:
+    from asyncinfer.layers import fused
+
+    kernels = native.load(march)
+    if kernels is None:
+        pytest.skip(f"no C compiler for -march={march}")
+    gen = torch.Generator().manual_seed(7)
+    x, residual = (torch.randn(tokens, 576, generator=gen).bfloat16() for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(576, generator=gen)).bfloat16()
+    out, stream = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_stream = fused.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(stream, ref_stream)  # one bf16 add: exactly torch's
+    _close_to_torch(out, ref_out)
+    # A view with a row stride (a slice of a wider product) reads as the rows it holds.
+    wide = torch.randn(tokens, 2 * 576, generator=gen).bfloat16()
+    out, same = kernels.add_rms_norm(wide[:, :576], None, weight, 1e-5)
+    assert same.data_ptr() == wide.data_ptr()
+    rows = wide[:, :576].contiguous()
+    assert torch.equal(out, kernels.add_rms_norm(rows, None, weight, 1e-5)[0])
+    _close_to_torch(out, fused.rms_norm(rows, weight, 1e-5))
+    gate_up = (3 * torch.randn(tokens, 2 * 1536, generator=gen)).bfloat16()
+    _close_to_torch(kernels.silu_mul(gate_up), fused.silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+def test_rope_and_kv_store_equal_torchs_bf16(march: str, qk_norm: bool,
+                                             cache_dtype: torch.dtype) -> None:
+    from asyncinfer.layers import fused
+
+    kernels = native.load(march)
+    if kernels is None:
+        pytest.skip(f"no C compiler for -march={march}")
+    heads, kv_heads, dim, tokens = 8, 2, 128, 19
+    qkv, cos, sin, (q_w, k_w), slots = _rope_case(tokens, heads, kv_heads, dim, qk_norm)
+    caches = [torch.full((4 * tokens, kv_heads, dim), 7.0, dtype=cache_dtype)
+              for _ in range(4)]
+    ours = kernels.qk_norm_rope_store(qkv, cos, sin, q_w, k_w, 1e-6, heads, kv_heads, dim,
+                                      caches[0], caches[1], slots)
+    theirs = fused.qk_norm_rope_store(qkv, cos, sin, q_w, k_w, 1e-6, heads, kv_heads, dim,
+                                      caches[2], caches[3], slots)
+    for a, b in zip(ours, theirs):
+        if qk_norm:
+            _close_to_torch(a, b)
+        else:  # products and sums of bf16 values, each rounded as torch rounds it
+            assert torch.equal(a, b)
+    assert torch.equal(caches[1], caches[3])  # v is copied
+    stored = caches[0][slots].to(torch.bfloat16)
+    assert torch.equal(stored, ours[1])  # k lands in its slots
+    untouched = torch.ones(4 * tokens, dtype=torch.bool)
+    untouched[slots] = False
+    assert bool((caches[0][untouched] == 7.0).all())
+
+
+def test_the_avx2_and_native_layer_ops_give_the_same_bits() -> None:
+    if not _cpu_has("avx2"):
+        pytest.skip("needs AVX2")
+    avx2, here = native.load("x86-64-v3"), native.load("native")
+    if avx2 is None or here is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(23, 960, generator=gen).bfloat16() for _ in range(2))
+    weight = torch.randn(960, generator=gen).bfloat16()
+    for a, b in zip(avx2.add_rms_norm(x, residual, weight, 1e-6),
+                    here.add_rms_norm(x, residual, weight, 1e-6)):
+        assert torch.equal(a, b)
+    gate_up = (4 * torch.randn(23, 2 * 2560, generator=gen)).bfloat16()
+    assert torch.equal(avx2.silu_mul(gate_up), here.silu_mul(gate_up))
+    qkv, cos, sin, (q_w, k_w), slots = _rope_case(23, 16, 8, 64, True)
+    outs = []
+    for kernels in (avx2, here):
+        caches = [torch.zeros(4 * 23, 8, 64, dtype=torch.bfloat16) for _ in range(2)]
+        q, k, _ = kernels.qk_norm_rope_store(qkv, cos, sin, q_w, k_w, 1e-6, 16, 8, 64,
+                                             *caches, slots)
+        outs.append((q, k, *caches))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def _bf16_decode_logits(model_dir, seqs, cpu_kernels: bool):
+    from asyncinfer.config import EngineConfig
+    from asyncinfer.core import Batch
+    from asyncinfer.engine.runner import ModelRunner
+    from asyncinfer.params import SamplingParams
+    from tests.hf_reference import place_rows
+
+    config = EngineConfig(dtype="bfloat16", page_size=16, max_running_requests=16,
+                          max_seq_len=255, num_pages=512, cpu_kernels=cpu_kernels)
+    runner = ModelRunner(config, model_dir)
+    place_rows(runner, seqs)
+    n, greedy = len(seqs), SamplingParams(temperature=0.0)
+    runner.forward(Batch(rows=list(range(n)), starts=[0] * n, ends=[len(s) - 1 for s in seqs],
+                         params=[greedy] * n, steps=[0] * n, sample=[False] * n))
+    decode = Batch(rows=list(range(n)), starts=[len(s) - 1 for s in seqs],
+                   ends=[len(s) for s in seqs], params=[greedy] * n, steps=[0] * n,
+                   sample=[False] * n)
+    return runner, runner.forward(decode).logits
+
+
+def test_the_bf16_engine_on_the_kernels_is_as_close_to_fp32_transformers_as_torchs(
+        smollm2_dir) -> None:
+    """bfloat16 with the CPU kernels (decode attention, layer ops, and packed weights where
+    oneDNN has native bf16) against the same engine on torch's ops, both measured against
+    transformers in float32: the kernels' logits are no further from it. (Greedy tokens
+    cannot be compared: bf16 rounding flips near-ties either way.)"""
+    import random
+
+    from asyncinfer.kernels.cpu import NativeKernels
+    from tests.hf_reference import hf_last_logits, load_hf
+
+    rng = random.Random(5)
+    seqs = [[rng.randrange(3, 5000) for _ in range(rng.randrange(2, 120))] for _ in range(12)]
+    hf = load_hf(smollm2_dir)
+    ref = torch.stack([hf_last_logits(hf, seq) for seq in seqs])
+    errors, agreements = [], []
+    for cpu_kernels in (True, False):
+        runner, logits = _bf16_decode_logits(smollm2_dir, seqs, cpu_kernels)
+        uses = isinstance(getattr(runner.model.ops.silu_mul, "__self__", None), NativeKernels)
+        assert uses == (cpu_kernels and native.load() is not None)
+        errors.append(((logits - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item())
+        agreements.append((logits.argmax(-1) == ref.argmax(-1)).float().mean().item())
+    assert errors[0] <= 1.25 * errors[1]
+    assert agreements[0] >= agreements[1]

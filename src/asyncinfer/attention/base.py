@@ -67,7 +67,7 @@ class AttentionSpec:
     dtype: torch.dtype            # of queries and of the values the pool holds
     device: torch.device
     pad_page: int | None          # page that takes padding rows' K, V (capturable backends)
-    native: bool = False          # CPU: use the compiled kernels (attention.native) if they build
+    native: bool = False          # CPU: use the compiled kernels (kernels.cpu) if they build
 
 
 class AttentionBackend(Protocol):

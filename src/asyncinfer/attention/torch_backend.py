@@ -2,7 +2,7 @@
 
 It runs on any device and dtype. Its plan reads the host page table and uploads the slots
 each request attends to (without blocking on CUDA). On a CPU, decode batches run a kernel
-compiled for this CPU (``attention.native``) that reads K and V in place through the page
+compiled for this CPU (``kernels.cpu``) that reads K and V in place through the page
 table, when it builds: gathering every request's whole prefix each step cost more than the
 attention itself.
 """
@@ -76,7 +76,7 @@ class TorchBackend:
         self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
         self.native = None
         if spec.native and spec.device.type == "cpu":
-            from asyncinfer.attention.native import load
+            from asyncinfer.kernels.cpu import load
 
             kernels = load()
             if kernels is not None and kernels.supports(spec.pool.k.dtype):

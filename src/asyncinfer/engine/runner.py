@@ -45,7 +45,10 @@ from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.engine.cuda_graph import CudaGraphs, Graph
 from asyncinfer.engine.sampler import Sampler
 from asyncinfer.errors import ConfigError
+from asyncinfer.kernels.cpu import load as load_cpu_kernels
 from asyncinfer.kvcache.pool import KVPool
+from asyncinfer.layers.fused import LayerOps
+from asyncinfer.layers.linear import can_pack
 from asyncinfer.layers.rotary import RotaryEmbedding
 from asyncinfer.models import build_model
 from asyncinfer.models.llama import LlamaForCausalLM
@@ -132,6 +135,11 @@ class ModelRunner:
             self.pool, self.page_table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.head_dim**-0.5, self.dtype, self.device, self.scratch_page,
             native=config.cpu_kernels))
+        if self.device.type == "cpu" and config.cpu_kernels:
+            kernels = load_cpu_kernels()
+            if kernels is not None and kernels.runs_layer_ops(self.dtype, cfg.hidden_size,
+                                                              cfg.head_dim):
+                self.model.ops = LayerOps(native=kernels)
         self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device)
         self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
         if config.compiles:
@@ -211,6 +219,8 @@ class ModelRunner:
         model.to(device=self.device, dtype=self.dtype).eval()
         if self.config.fp32_kernels:
             model.use_fp32_shadow()
+        elif self.device.type == "cpu" and can_pack(self.dtype):
+            model.pack_for_cpu(self.config.max_running_requests)
         return model
 
     def _pages_from_budget(self, extra_pages: int) -> int:

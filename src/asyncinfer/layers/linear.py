@@ -4,6 +4,11 @@ On a CPU without native bf16/fp16 matrix units, a half-precision GEMM is emulate
 times slower than float32. There ``use_fp32_shadow`` keeps a float32 copy of the weight and
 multiplies in float32: half-precision inputs and weights, float32 accumulation, output
 rounded back — the arithmetic of a native bf16 GEMM, at float32 speed.
+
+On a CPU with those units ``pack_for_cpu`` keeps a copy of the weight in oneDNN's blocked
+layout instead: torch's own bf16 GEMM goes through oneDNN too, but reorders the weight on
+every call, which at decode sizes (tens of rows) costs as much as the product; packed once,
+a decode step's products take about half the time, with the same results.
 """
 
 from __future__ import annotations
@@ -21,13 +26,22 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.shadow: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.packed: torch.Tensor | None = None
 
     def use_fp32_shadow(self) -> None:
         """Multiply in float32 from now on (call after the weights are final)."""
         bias = None if self.bias is None else self.bias.detach().float()
         self.shadow = (self.weight.detach().float(), bias)
 
+    def pack_for_cpu(self, rows_hint: int) -> None:
+        """Multiply through a oneDNN-packed copy of the weight from now on (a CPU with
+        native half-precision units; call after the weights are final). ``rows_hint``:
+        the row count oneDNN picks its blocking for (any count still works)."""
+        self.packed = pack_weight(self.weight, rows_hint)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         if self.shadow is not None:
             return F.linear(x.float(), *self.shadow).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
@@ -52,3 +66,24 @@ class MergedLinear(Linear):
         assert weight.shape[0] == size, f"part {part}: {tuple(weight.shape)} vs {size} rows"
         with torch.no_grad():
             target[start : start + size].copy_(weight)
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN multiplies ``dtype`` natively on this CPU, so packing pays."""
+    mkldnn = torch.ops.mkldnn
+    if dtype == torch.bfloat16:
+        return bool(torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+def pack_weight(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
+    """``weight`` [out, in] reordered once into oneDNN's blocked layout (see the module)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x Wᵀ + b`` through a weight from :func:`pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

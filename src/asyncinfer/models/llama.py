@@ -20,7 +20,7 @@ from asyncinfer.config import ModelConfig
 from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.kvcache.pool import KVPool
 from asyncinfer.layers.fused import LayerOps
-from asyncinfer.layers.linear import Linear, MergedLinear
+from asyncinfer.layers.linear import Linear, MergedLinear, pack_weight, packed_linear
 from asyncinfer.layers.norm import RMSNorm
 from asyncinfer.layers.rotary import RotaryEmbedding, RotaryTables
 from asyncinfer.models.weights import ZEROS, Part
@@ -123,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(cfg, i, self.qk_norm, self.tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied_shadow: torch.Tensor | None = None
+        self.tied_packed: torch.Tensor | None = None
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, rows))
         self.ops = LayerOps()
@@ -162,6 +163,8 @@ class LlamaForCausalLM(nn.Module):
         for a sampler that widens them as it reads them); every rank gets all of them."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
+        elif self.tied_packed is not None:
+            logits = packed_linear(hidden, self.tied_packed)
         elif self.tied_shadow is not None:
             # Rounded as a native half-precision GEMM would round it.
             logits = F.linear(hidden.float(), self.tied_shadow).to(hidden.dtype)
@@ -177,6 +180,14 @@ class LlamaForCausalLM(nn.Module):
                 module.use_fp32_shadow()
         if self.lm_head is None:
             self.tied_shadow = self.embed_tokens.weight.detach().float()
+
+    def pack_for_cpu(self, rows_hint: int) -> None:
+        """Run every matrix product through oneDNN-packed weights (see layers.linear)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu(rows_hint)
+        if self.lm_head is None:
+            self.tied_packed = pack_weight(self.embed_tokens.weight, rows_hint)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (transformers' names) into the fused parameters; under

@@ -1,0 +1,1 @@
+"""Kernels of our own, built for the machine they run on (``cpu``: C compiled at first use)."""

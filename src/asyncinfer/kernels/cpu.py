@@ -1,0 +1,191 @@
+"""CPU kernels of our own, compiled for this CPU at first use: decode attention over the
+paged KV cache (``cpu_attention.c``, for the torch attention backend) and the elementwise
+work between a layer's matrix products (``cpu_layer_ops.c``, for layers.fused).
+
+The sources are compiled once per CPU kind with the system's C compiler (``$CC``, else
+``cc``) and ``-march=native``, so an AVX2-only CPU and an AVX-512 one each get code for
+their own vector units from the same sources, and cached under asyncinfer's cache
+directory, keyed by the sources, the flags, the compiler and the CPU's flags. The kernels
+run on torch's own OpenMP runtime (the same ``libgomp.so.1``) with torch's thread count,
+and are called through ctypes, which releases the GIL while they run.
+
+Without a working compiler :func:`load` returns None and the callers keep their torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncinfer.cache import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layer_ops.c")]
+FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+         "-std=c11", "-ffp-contract=fast", "-Wno-psabi"]
+
+_I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+_DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32,
+                _I64, _INT]
+_NORM_ARGS = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _INT]
+_SILU_ARGS = [_PTR, _I64, _I64, _PTR, _INT]
+_ROPE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
+              _PTR, _PTR, _INT, _INT]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+class NativeKernels:
+    """The compiled kernels of one library (one ``-march``)."""
+
+    def __init__(self, path: Path, march: str) -> None:
+        self.path, self.march = path, march
+        self._lib = ctypes.CDLL(str(path))
+        self._decode = {}
+        for dtype, name in ((torch.float32, "decode_attention_f32"),
+                            (torch.bfloat16, "decode_attention_bf16")):
+            fn = getattr(self._lib, name)
+            fn.argtypes, fn.restype = _DECODE_ARGS, None
+            self._decode[dtype] = fn
+        self._norm = self._bind("add_rms_norm_bf16", _NORM_ARGS)
+        self._silu = self._bind("silu_mul_bf16", _SILU_ARGS)
+        self._rope = self._bind("qk_norm_rope_store_bf16", _ROPE_ARGS)
+
+    def _bind(self, name: str, args: list[Any]) -> Any:
+        fn = getattr(self._lib, name)
+        fn.argtypes, fn.restype = args, None
+        return fn
+
+    def supports(self, kv_dtype: torch.dtype) -> bool:
+        """Whether decode attention over a pool of ``kv_dtype`` runs here."""
+        return kv_dtype in self._decode
+
+    def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+                         scale: float, max_len: int) -> torch.Tensor:
+        """Each request's one query [batch, heads, dim] against keys 0 .. lens[i] of its
+        row ``rows[i]`` of ``table`` (the KV slot of each position) in one layer's pools
+        [slots, kv_heads, dim]: the attention output [batch, heads, dim] in float32.
+        ``max_len`` bounds ``lens``; every tensor is on the CPU and contiguous."""
+        q = q.to(torch.float32).contiguous()
+        batch, heads, dim = q.shape
+        kv_heads = k_pool.shape[1]
+        out = torch.empty_like(q)
+        assert k_pool.is_contiguous() and v_pool.is_contiguous() and table.is_contiguous()
+        assert table.dtype == rows.dtype == lens.dtype == torch.int64
+        self._decode[k_pool.dtype](
+            q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(),
+            table.shape[1], rows.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, heads,
+            kv_heads, dim, scale, max_len, torch.get_num_threads())
+        return out
+
+
+    # The elementwise work of a layer, bfloat16 activations only (layers.fused says what
+    # each computes; the C source, how it rounds).
+
+    @staticmethod
+    def runs_layer_ops(dtype: torch.dtype, hidden: int, head_dim: int) -> bool:
+        """Whether the layer ops below run for activations of ``dtype`` and these sizes
+        (the norms sum squares sixteen lanes at a time)."""
+        return dtype == torch.bfloat16 and hidden % 16 == 0 and head_dim % 16 == 0
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                     weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``r = residual + x`` (``x`` itself when ``residual`` is None); ``(norm(r), r)``.
+        ``x`` [rows, n] may be a view with a row stride; the rest are contiguous."""
+        rows, n = x.shape
+        assert x.stride(1) == 1 and weight.is_contiguous()
+        out = torch.empty(rows, n, dtype=x.dtype)
+        if residual is None:
+            res, res_ptr, res_out = x, None, None
+        else:
+            assert residual.is_contiguous()
+            res = torch.empty_like(out)
+            res_ptr, res_out = residual.data_ptr(), res.data_ptr()
+        self._norm(x.data_ptr(), x.stride(0), res_ptr, weight.data_ptr(), rows, n, eps,
+                   out.data_ptr(), res_out, torch.get_num_threads())
+        return out, res
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of the contiguous fused [rows, 2 n] product."""
+        rows, width = gate_up.shape
+        assert gate_up.is_contiguous()
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self._silu(gate_up.data_ptr(), rows, width // 2, out.data_ptr(),
+                   torch.get_num_threads())
+        return out
+
+    def qk_norm_rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                           eps: float, heads: int, kv_heads: int, head_dim: int,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
+        """layers.fused.qk_norm_rope_store in one pass: q, k rotated (normed first when
+        the weights are given), and k, v written to their slots of the caches."""
+        rows = qkv.shape[0]
+        assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous()
+        assert k_cache.dtype in (torch.bfloat16, torch.float32)
+        q = torch.empty(rows, heads, head_dim, dtype=qkv.dtype)
+        k = torch.empty(rows, kv_heads, head_dim, dtype=qkv.dtype)
+        self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                   None if q_weight is None else q_weight.data_ptr(),
+                   None if k_weight is None else k_weight.data_ptr(), eps, rows, heads,
+                   kv_heads, head_dim, q.data_ptr(), k.data_ptr(), k_cache.data_ptr(),
+                   v_cache.data_ptr(), slots.data_ptr(), int(k_cache.dtype == torch.float32),
+                   torch.get_num_threads())
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        v = qkv[:, q_size + kv_size:].view(rows, kv_heads, head_dim)
+        return q, k, v
+
+
+@functools.cache
+def load(march: str = "native") -> NativeKernels | None:
+    """The kernels compiled with ``-march=<march>`` (cached on disk), or None, with a warning,
+    where they cannot be built (no C compiler, or one that does not know ``march``)."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        logger.warning("no C compiler (%s) found: CPU attention and layer ops stay on torch "
+                       "(slower); install gcc to get the native kernels", compiler)
+        return None
+    flags = [*FLAGS, f"-march={march}"]
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), *flags, version,
+                                     _cpu_flags()]).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"cpu_kernels-{march}-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            built = Path(tmp) / path.name
+            result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built),
+                                     "-lm"],
+                                    capture_output=True, text=True, timeout=300)
+            if result.returncode != 0:
+                logger.warning("the CPU kernels did not compile (-march=%s); CPU attention "
+                               "and layer ops stay on torch: %s", march,
+                               result.stderr.strip()[-500:])
+                return None
+            os.replace(built, path)  # atomic: a concurrent build writes the same bytes
+    return NativeKernels(path, march)

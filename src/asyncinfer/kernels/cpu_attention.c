@@ -1,0 +1,273 @@
+/* CPU kernels of the torch attention backend, compiled at first use for this CPU
+ * (asyncinfer.attention.native): decode attention that reads K and V where they lie in the
+ * paged pool, through the page table, instead of gathering every request's prefix first.
+ *
+ * One task per (request, KV head): the query heads that share that KV head are scored
+ * against each key as it is read (one load of K and V serves the whole group), with a
+ * two-pass softmax in float32. Tasks are independent, so a request's output does not
+ * depend on what shares its batch. Built with -march of this CPU: AVX2 or AVX-512 code
+ * comes from the same source.
+ *
+ * Head sizes that are a multiple of 16 take the blocked path: keys are widened to float32
+ * sixteen at a time into a small buffer; each head's sixteen dot products are kept as
+ * sixteen vectors of partial sums and reduced together by a transpose (fifteen shuffle-add
+ * steps for sixteen keys, where one horizontal sum per key costs about as many each). The
+ * vectors are GCC's generic 16-float vectors: one AVX-512 register, or two AVX2 ones. The
+ * common head sizes (64, 128) get loops of a fixed length, which unroll into straight code.
+ * Other head sizes take a plain loop per key.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* exp(x) for x <= 0 (scores minus their maximum), as Cephes' expf: x = n ln2 + r, then a
+ * degree-6 polynomial in r, scaled by 2^n; within 2 ulp, and written so that loops over
+ * it vectorize (libm's expf is a call per element). */
+INLINE float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+INLINE void load_f32(const float *src, float *dst, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) dst[i] = src[i];
+}
+
+INLINE void load_bf16(const uint16_t *src, float *dst, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        union { uint32_t u; float f; } c;
+        c.u = (uint32_t)src[i] << 16;
+        dst[i] = c.f;
+    }
+}
+
+/* The softmax of each head's scores [group][len], in place. */
+INLINE void softmax_rows(float *scores, int64_t group, int64_t len) {
+    for (int64_t h = 0; h < group; h++) {
+        float *sh = scores + h * len;
+        float top = sh[0];
+#pragma omp simd reduction(max : top)
+        for (int64_t j = 1; j < len; j++) top = sh[j] > top ? sh[j] : top;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < len; j++) {
+            sh[j] = exp_nonpositive(sh[j] - top);
+            sum += sh[j];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) sh[j] *= inv;
+    }
+}
+
+/* One (request, KV head) task: scores of ``group`` query heads qs [group][dim] times ``scale``
+ * against ``len`` keys at ``slots``, softmax, then the weighted sum of the values into
+ * out [group][dim]. ``scores`` holds group * len floats, ``acc`` group * dim. */
+#define TASK(NAME, KV_T, LOAD)                                                               \
+    INLINE void NAME(const float *qs, const KV_T *k, const KV_T *v, const int64_t *slots,    \
+                     int64_t len, int64_t stride, int64_t group, const int64_t dim,          \
+                     float scale, float *scores, float *acc, float *out) {                                \
+        float row[dim];                                                                      \
+        for (int64_t j = 0; j < len; j++) {                                                  \
+            LOAD(k + slots[j] * stride, row, dim);                                           \
+            for (int64_t h = 0; h < group; h++) {                                            \
+                const float *qh = qs + h * dim;                                              \
+                float s = 0.0f;                                                              \
+                _Pragma("omp simd reduction(+ : s)")                                         \
+                for (int64_t d = 0; d < dim; d++) s += qh[d] * row[d];                       \
+                scores[h * len + j] = s * scale;                                             \
+            }                                                                                \
+        }                                                                                    \
+        softmax_rows(scores, group, len);                                                    \
+        for (int64_t i = 0; i < group * dim; i++) acc[i] = 0.0f;                             \
+        for (int64_t j = 0; j < len; j++) {                                                  \
+            LOAD(v + slots[j] * stride, row, dim);                                           \
+            for (int64_t h = 0; h < group; h++) {                                            \
+                const float p = scores[h * len + j];                                         \
+                float *ah = acc + h * dim;                                                   \
+                _Pragma("omp simd")                                                          \
+                for (int64_t d = 0; d < dim; d++) ah[d] += p * row[d];                       \
+            }                                                                                \
+        }                                                                                    \
+        memcpy(out, acc, sizeof(float) * (size_t)(group * dim));                             \
+    }
+
+TASK(task_f32, float, load_f32)
+TASK(task_bf16, uint16_t, load_bf16)
+
+/* ---- the blocked path (head size a multiple of 16) ---- */
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+#define BLOCK 16
+
+INLINE vf widen_f32(const float *p) {
+    vf x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+INLINE vf widen_bf16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)),
+                                 16);
+#endif
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+/* a[i] + a[i + half] pairs of a and b, interleaved by the masks: one transpose step. */
+INLINE vf fold(vf a, vf b, vi lo, vi hi) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+/* The sixteen horizontal sums of p[0..15], as one vector (lane j: the sum of p[j]). */
+INLINE vf sum16(vf *p) {
+    const vi lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const vi hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const vi lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const vi hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const vi lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const vi hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    vf y[8], z[4], w[2];
+    for (int i = 0; i < 8; i++) y[i] = fold(p[2 * i], p[2 * i + 1], lo1, hi1);
+    for (int i = 0; i < 4; i++) z[i] = fold(y[2 * i], y[2 * i + 1], lo2, hi2);
+    for (int i = 0; i < 2; i++) w[i] = fold(z[2 * i], z[2 * i + 1], lo3, hi3);
+    return fold(w[0], w[1], lo4, hi4);
+}
+
+/* Rows ``n`` keys (or values) at ``slots`` widened into rows[BLOCK][nc] (zeros past n). */
+#define WIDEN(NAME, KV_T, LOADV)                                                             \
+    INLINE void NAME(const KV_T *base, const int64_t *slots, int64_t n, int64_t stride,      \
+                     const int64_t nc, vf *rows) {                                           \
+        for (int64_t j = 0; j < n; j++) {                                                    \
+            const KV_T *src = base + slots[j] * stride;                                      \
+            for (int64_t c = 0; c < nc; c++) rows[j * nc + c] = LOADV(src + c * 16);         \
+        }                                                                                    \
+        for (int64_t j = n; j < BLOCK; j++)                                                  \
+            for (int64_t c = 0; c < nc; c++) rows[j * nc + c] = (vf){0};                     \
+    }
+
+WIDEN(widen_rows_f32, float, widen_f32)
+WIDEN(widen_rows_bf16, uint16_t, widen_bf16)
+
+/* One (request, KV head) task, blocked: q [group][nc] already scaled; scores [group][padded
+ * len]; rows [BLOCK][nc] and acc [group][nc] scratch; out [group][nc * 16]. */
+#define BLOCKED(NAME, KV_T, WIDEN_FN)                                                        \
+    INLINE void NAME(const vf *q, const KV_T *k, const KV_T *v, const int64_t *slots,        \
+                     int64_t len, int64_t stride, int64_t group, const int64_t nc,           \
+                     float *scores, vf *rows, vf *acc, float *out) {                          \
+        const int64_t padded = (len + BLOCK - 1) / BLOCK * BLOCK;                            \
+        for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {                                        \
+            const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;                           \
+            WIDEN_FN(k, slots + j0, n, stride, nc, rows);                                    \
+            for (int64_t h = 0; h < group; h++) {                                            \
+                const vf *qh = q + h * nc;                                                   \
+                vf part[BLOCK];                                                              \
+                for (int64_t j = 0; j < BLOCK; j++) {                                        \
+                    vf s = qh[0] * rows[j * nc];                                             \
+                    for (int64_t c = 1; c < nc; c++) s += qh[c] * rows[j * nc + c];          \
+                    part[j] = s;                                                             \
+                }                                                                            \
+                const vf sums = sum16(part);                                                 \
+                memcpy(scores + h * padded + j0, &sums, sizeof sums);                        \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t h = 0; h < group; h++) {                                                \
+            softmax_rows(scores + h * padded, 1, len);                                       \
+            for (int64_t j = len; j < padded; j++) scores[h * padded + j] = 0.0f;            \
+        }                                                                                    \
+        for (int64_t i = 0; i < group * nc; i++) acc[i] = (vf){0};                           \
+        for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {                                        \
+            const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;                           \
+            WIDEN_FN(v, slots + j0, n, stride, nc, rows);                                    \
+            for (int64_t h = 0; h < group; h++) {                                            \
+                const float *p = scores + h * padded + j0;                                   \
+                vf *ah = acc + h * nc;                                                       \
+                for (int64_t j = 0; j < BLOCK; j++)                                          \
+                    for (int64_t c = 0; c < nc; c++) ah[c] += p[j] * rows[j * nc + c];       \
+            }                                                                                \
+        }                                                                                    \
+        memcpy(out, acc, sizeof(vf) * (size_t)(group * nc));                                 \
+    }
+
+BLOCKED(blocked_f32, float, widen_rows_f32)
+BLOCKED(blocked_bf16, uint16_t, widen_rows_bf16)
+
+INLINE void *scratch(size_t bytes) {
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
+/* q [batch, heads, dim] float32; pools [slots, kv_heads, dim]; table [*, width] int64 slot
+ * of each position; rows, lens [batch]; out [batch, heads, dim] float32. */
+#define DECODE(NAME, KV_T, TASK_FN, BLOCKED_FN)                                              \
+    void NAME(const float *q, const KV_T *k_pool, const KV_T *v_pool, const int64_t *table,  \
+              int64_t width, const int64_t *rows, const int64_t *lens, float *out,           \
+              int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale,      \
+              int64_t max_len, int threads) {                                                \
+        const int64_t group = heads / kv_heads, stride = kv_heads * dim, nc = dim / 16;      \
+        const int blocked = dim % 16 == 0;                                                   \
+        const int64_t padded = (max_len + BLOCK - 1) / BLOCK * BLOCK;                        \
+        _Pragma("omp parallel num_threads(threads)") {                                       \
+            float *scores = scratch(sizeof(float) * (size_t)(group * padded));               \
+            float *acc = scratch(sizeof(float) * (size_t)(group * dim));                     \
+            float *qs = scratch(sizeof(float) * (size_t)(group * dim));                      \
+            vf *block = scratch(sizeof(float) * (size_t)(BLOCK * dim));                      \
+            _Pragma("omp for collapse(2) schedule(dynamic, 1)")                              \
+            for (int64_t b = 0; b < batch; b++) {                                            \
+                for (int64_t g = 0; g < kv_heads; g++) {                                     \
+                    const float *qb = q + (b * heads + g * group) * dim;                     \
+                    const KV_T *k = k_pool + g * dim, *v = v_pool + g * dim;                 \
+                    const int64_t *slots = table + rows[b] * width;                          \
+                    float *ob = out + (b * heads + g * group) * dim;                         \
+                    if (blocked) {                                                           \
+                        for (int64_t i = 0; i < group * dim; i++) qs[i] = qb[i] * scale;     \
+                        const vf *qv = (const vf *)qs;                                       \
+                        if (nc == 4)                                                         \
+                            BLOCKED_FN(qv, k, v, slots, lens[b], stride, group, 4, scores,   \
+                                       block, (vf *)acc, ob);                                \
+                        else if (nc == 8)                                                    \
+                            BLOCKED_FN(qv, k, v, slots, lens[b], stride, group, 8, scores,   \
+                                       block, (vf *)acc, ob);                                \
+                        else                                                                 \
+                            BLOCKED_FN(qv, k, v, slots, lens[b], stride, group, nc, scores,  \
+                                       block, (vf *)acc, ob);                                \
+                        continue;                                                            \
+                    }                                                                        \
+                    for (int64_t i = 0; i < group * dim; i++) qs[i] = qb[i];                 \
+                    TASK_FN(qs, k, v, slots, lens[b], stride, group, dim, scale, scores,     \
+                            acc, ob);                                                        \
+                }                                                                            \
+            }                                                                                \
+            free(scores);                                                                    \
+            free(acc);                                                                       \
+            free(qs);                                                                        \
+            free(block);                                                                     \
+        }                                                                                    \
+    }
+
+DECODE(decode_attention_f32, float, task_f32, blocked_f32)
+DECODE(decode_attention_bf16, uint16_t, task_bf16, blocked_bf16)
