@@ -6,9 +6,11 @@ multiplies in float32: half-precision inputs and weights, float32 accumulation, 
 rounded back — the arithmetic of a native bf16 GEMM, at float32 speed.
 
 On a CPU with those units ``pack_for_cpu`` keeps a copy of the weight in oneDNN's blocked
-layout instead: torch's own bf16 GEMM goes through oneDNN too, but reorders the weight on
-every call, which at decode sizes (tens of rows) costs as much as the product; packed once,
-a decode step's products take about half the time, with the same results.
+layout too: torch's own bf16 GEMM goes through oneDNN, but reorders the weight on every
+call, which at decode sizes (tens of rows) costs as much as the product; packed once, a
+decode step's products take about half the time, with the same results. Prefill-sized
+products (thousands of rows) are faster through torch's path, which blocks for their size:
+``PACKED_ROWS`` is where the forward switches.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+PACKED_ROWS = 512
+"""Products of at most this many rows use the packed weight (see the module docstring)."""
 
 
 class Linear(nn.Module):
@@ -40,7 +45,7 @@ class Linear(nn.Module):
         self.packed = pack_weight(self.weight, rows_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] <= PACKED_ROWS:
             return packed_linear(x, self.packed, self.bias)
         if self.shadow is not None:
             return F.linear(x.float(), *self.shadow).to(x.dtype)

@@ -20,7 +20,13 @@ from asyncinfer.config import ModelConfig
 from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.kvcache.pool import KVPool
 from asyncinfer.layers.fused import LayerOps
-from asyncinfer.layers.linear import Linear, MergedLinear, pack_weight, packed_linear
+from asyncinfer.layers.linear import (
+    PACKED_ROWS,
+    Linear,
+    MergedLinear,
+    pack_weight,
+    packed_linear,
+)
 from asyncinfer.layers.norm import RMSNorm
 from asyncinfer.layers.rotary import RotaryEmbedding, RotaryTables
 from asyncinfer.models.weights import ZEROS, Part
@@ -163,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         for a sampler that widens them as it reads them); every rank gets all of them."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
-        elif self.tied_packed is not None:
+        elif self.tied_packed is not None and hidden.shape[0] <= PACKED_ROWS:
             logits = packed_linear(hidden, self.tied_packed)
         elif self.tied_shadow is not None:
             # Rounded as a native half-precision GEMM would round it.
