@@ -257,3 +257,19 @@ def test_the_bf16_engine_on_the_kernels_is_as_close_to_fp32_transformers_as_torc
         agreements.append((logits.argmax(-1) == ref.argmax(-1)).float().mean().item())
     assert errors[0] <= 1.25 * errors[1]
     assert agreements[0] >= agreements[1]
+
+
+@pytest.mark.parametrize("march", BUILDS)
+def test_argmax_equals_torchs_with_ties_and_nans(march: str) -> None:
+    kernels = native.load(march)
+    if kernels is None:
+        pytest.skip(f"no C compiler for -march={march}")
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(9, 49152, generator=gen)
+    logits[1, [7, 300, 40000]] = 50.0                   # equal maxima: the first wins
+    logits[2, [12, 9000]] = float("nan")                # a NaN wins, the first of them
+    logits[3] = float("-inf")                           # all -inf: index 0
+    logits[4, -1] = 99.0                                # the last column
+    assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1))
+    half = logits.bfloat16()                            # widened first, as torch's path
+    assert torch.equal(kernels.argmax(half), half.float().argmax(dim=-1))

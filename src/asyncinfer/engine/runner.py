@@ -135,12 +135,13 @@ class ModelRunner:
             self.pool, self.page_table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.head_dim**-0.5, self.dtype, self.device, self.scratch_page,
             native=config.cpu_kernels))
-        if self.device.type == "cpu" and config.cpu_kernels:
-            kernels = load_cpu_kernels()
-            if kernels is not None and kernels.runs_layer_ops(self.dtype, cfg.hidden_size,
-                                                              cfg.head_dim):
-                self.model.ops = LayerOps(native=kernels)
-        self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device)
+        kernels = (load_cpu_kernels() if self.device.type == "cpu" and config.cpu_kernels
+                   else None)
+        if kernels is not None and kernels.runs_layer_ops(self.dtype, cfg.hidden_size,
+                                                          cfg.head_dim):
+            self.model.ops = LayerOps(native=kernels)
+        self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device,
+                               argmax=None if kernels is None else kernels.argmax)
         self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
         if config.compiles:
             logger.info("compiled with torch.compile in %.1f s",

@@ -159,8 +159,11 @@ class Sampler:
     """
 
     def __init__(self, seed: int = 0, compile: bool = False, backend: str = "inductor",
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 argmax: Callable[[Tensor], Tensor] | None = None) -> None:
         self._keys = np.random.Generator(np.random.PCG64(seed & _MASK64))
+        # An all-greedy batch is one argmax (``argmax``: a faster one, e.g. the CPU kernels').
+        self._argmax = argmax or _argmax
         self._race: Callable[[Tensor, Tensor, Tensor], Tensor] = race
         if compile and device is not None and triton_ops.available(device, "race"):
             self._race = triton_ops.race
@@ -179,7 +182,7 @@ class Sampler:
         device, vocab = logits.device, logits.shape[-1]
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
-            return logits.float().argmax(dim=-1)
+            return self._argmax(logits)
         if not any(_filters(p, vocab) for p in params):
             # Greedy rows (temperature below MIN_TEMPERATURE included) race with 0: no 1 / T.
             inv_temperature = [0.0 if p.greedy else 1.0 / p.temperature for p in params]
@@ -232,6 +235,10 @@ class Sampler:
             min_p = device_tensor([p.min_p for p in params], torch.float64, device)
             probs = apply_min_p(probs, min_p)
         return probs
+
+
+def _argmax(logits: Tensor) -> Tensor:
+    return logits.float().argmax(dim=-1)
 
 
 def _filters(p: SamplingParams, vocab: int) -> bool:

@@ -40,6 +40,7 @@ _DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64
                 _I64, _INT]
 _NORM_ARGS = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _INT]
 _SILU_ARGS = [_PTR, _I64, _I64, _PTR, _INT]
+_ARGMAX_ARGS = [_PTR, _I64, _I64, _PTR, _INT]
 _ROPE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
               _PTR, _PTR, _INT, _INT]
 
@@ -67,6 +68,7 @@ class NativeKernels:
         self._norm = self._bind("add_rms_norm_bf16", _NORM_ARGS)
         self._silu = self._bind("silu_mul_bf16", _SILU_ARGS)
         self._rope = self._bind("qk_norm_rope_store_bf16", _ROPE_ARGS)
+        self._argmax = self._bind("argmax_rows_f32", _ARGMAX_ARGS)
 
     def _bind(self, name: str, args: list[Any]) -> Any:
         fn = getattr(self._lib, name)
@@ -155,6 +157,15 @@ class NativeKernels:
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         v = qkv[:, q_size + kv_size:].view(rows, kv_heads, head_dim)
         return q, k, v
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax, as ``logits.float().argmax(-1)`` (the first of equal values,
+        the first NaN), with the rows split over the threads."""
+        logits = logits.float().contiguous()
+        rows, n = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax(logits.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
+        return out
 
 
 @functools.cache

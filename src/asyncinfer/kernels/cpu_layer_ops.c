@@ -181,3 +181,26 @@ void qk_norm_rope_store_bf16(const bf16 *qkv, const bf16 *cos, const bf16 *sin,
         }
     }
 }
+
+/* The index of each row's largest value, x [rows, n] float32 -> out [rows]: the first one
+ * among equals, and the first NaN if a row has one, as torch.argmax. A greedy batch's
+ * sampling is this one pass; torch's argmax runs each row on one thread. */
+void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        int64_t best = 0;
+        float top = row[0];
+        for (int64_t i = 0; i < n; i++) {
+            if (row[i] != row[i]) {
+                best = i;
+                break;
+            }
+            if (row[i] > top) {
+                top = row[i];
+                best = i;
+            }
+        }
+        out[r] = best;
+    }
+}
