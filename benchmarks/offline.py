@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from asyncinfer.bench.offline import DEFAULTS_HERE, SHAPES, run_offline
+from asyncinfer.bench.offline import DEFAULTS_HERE, SHAPES, machine, run_offline
 from benchmarks.util import git_commit, write_report
 from benchmarks.workloads import cpu_offline
 
@@ -89,6 +89,7 @@ def main(args: argparse.Namespace) -> int:
     report = {"benchmark": f"offline-{args.workload}", "model": model_dir.name,
               "dtype": config.dtype, "device": config.device, "requests": len(prompts),
               "output_tokens": sum(max_tokens), "threads": torch.get_num_threads(),
+              "machine": machine(),
               "torch": torch.__version__, "commit": git_commit(), "results": results}
     ours = results[0]["tokens_per_s"]
     for r in results:

@@ -37,4 +37,9 @@ def test_bench_offline_on_two_ranks_reports_every_token(tiny_chat_llama_dir: Pat
     assert (report["tokens"], report["requests"], report["tensor_parallel_size"]) == (
         9896, 64, 2)
     assert report["tokens_per_s"] > 0 and report["benchmark"] == "offline-cpu"
+    # The CPU it ran on, so that CPU figures are compared on the same kind only.
+    assert report["machine"]["cores"] >= 1 and report["machine"]["cpu"]
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    assert ("avx2" in report["machine"]["cpu_flags"]) == ("avx2" in flags)
     assert "tok/s" in capsys.readouterr().out  # type: ignore[attr-defined]

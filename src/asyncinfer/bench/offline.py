@@ -102,6 +102,31 @@ def run_offline(model: str, options: dict[str, Any], prompts: list[list[int]],
         llm.close()
 
 
+_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+              "amx_fp16")
+"""The CPU features a CPU figure depends on (which kernels and GEMMs run)."""
+
+
+def machine() -> dict[str, Any]:
+    """The CPU a result came from: its model name, the features of ``_CPU_FLAGS`` it has, and
+    the cores this process may use (CPU figures are only comparable on the same kind)."""
+    import os
+
+    name, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == "unknown":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": name, "cpu_flags": [f for f in _CPU_FLAGS if f in flags], "cores": cores}
+
+
 def main(args: argparse.Namespace) -> int:
     """``asyncinfer bench offline``."""
     from asyncinfer.config import EngineConfig
@@ -122,7 +147,8 @@ def main(args: argparse.Namespace) -> int:
     result = run_offline(str(model_dir), options, prompts, max_tokens, temperature)
     report = {"benchmark": f"offline-{args.workload}", "model": model_dir.name,
               "weights": config.load_format, "dtype": config.dtype, "device": config.device,
-              "requests": len(prompts), "temperature": temperature, **result}
+              "requests": len(prompts), "temperature": temperature, "machine": machine(),
+              **result}
     print(f"asyncinfer bench offline: {result['tokens']} tokens in {result['seconds']:.2f} s "
           f"= {result['tokens_per_s']:,.1f} tok/s ({model_dir.name}, {config.device}, "
           f"tp {config.tensor_parallel_size}; start-up {result['startup_s']:.1f} s)")
