@@ -286,9 +286,9 @@ class EngineConfig:
         help="on a CPU, run a bf16/fp16 model's matrix products and attention in float32 "
              "kernels: when the CPU lacks half-precision units (auto), always or never")
     cpu_kernels: bool = option(
-        True, help="on a CPU, compile this CPU's own decode-attention kernel (reads K and V "
-                   "in place in the paged cache; needs a C compiler) instead of torch's "
-                   "gather and SDPA")
+        True, help="on a CPU, compile kernels for this CPU (needs a C compiler): decode "
+                   "attention that reads K and V in place in the paged cache, the layer's "
+                   "norms, rotary and SiLU in bf16, and greedy argmax; off: torch's ops")
     max_extend_tokens: int = option(4096, check=_positive,
                                     help="prefill tokens one round may compute")
     chunked_prefill: bool = option(True, help="split a prompt longer than max_extend_tokens "
