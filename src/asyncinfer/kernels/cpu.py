@@ -32,6 +32,7 @@ from asyncinfer.cache import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layer_ops.c")]
+HEADERS = [Path(__file__).with_name("cpu_common.h")]
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-std=c11", "-ffp-contract=fast", "-Wno-psabi"]
 
@@ -183,8 +184,9 @@ def load(march: str = "native") -> NativeKernels | None:
                                  check=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), *flags, version,
-                                     _cpu_flags()]).encode()).hexdigest()[:16]
+    texts = [source.read_text() for source in [*SOURCES, *HEADERS]]
+    key = hashlib.sha256("\0".join([*texts, *flags, version, _cpu_flags()])
+                         .encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"cpu_kernels-{march}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,29 +20,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_common.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-#define INLINE static inline __attribute__((always_inline))
-
-/* exp(x) for x <= 0 (scores minus their maximum), as Cephes' expf: x = n ln2 + r, then a
- * degree-6 polynomial in r, scaled by 2^n; within 2 ulp, and written so that loops over
- * it vectorize (libm's expf is a call per element). */
+/* exp(x) for x <= 0 (scores minus their maximum). */
 INLINE float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
+    return exp_clamped(x < -87.0f ? -87.0f : x);
 }
 
 INLINE void load_f32(const float *src, float *dst, int64_t n) {
@@ -115,7 +101,6 @@ TASK(task_bf16, uint16_t, load_bf16)
 
 /* ---- the blocked path (head size a multiple of 16) ---- */
 
-typedef float vf __attribute__((vector_size(64)));
 typedef uint32_t vu __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));

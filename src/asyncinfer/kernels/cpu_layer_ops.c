@@ -14,9 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define INLINE static inline __attribute__((always_inline))
+#include "cpu_common.h"
 
-typedef float vf __attribute__((vector_size(64)));
 typedef uint16_t bf16;
 
 INLINE float from_bf16(bf16 x) {
@@ -81,22 +80,9 @@ void add_rms_norm_bf16(const bf16 *x, int64_t x_stride, const bf16 *residual, co
     }
 }
 
-/* exp(x) over float32's range, as Cephes' expf (within 2 ulp): x = k ln2 + f, a degree-6
- * polynomial in f, scaled by 2^k; a loop over it vectorizes. */
+/* exp(x) over float32's range (see silu_mul_bf16 for why min and max). */
 INLINE float exp_any(float x) {
-    x = __builtin_fmaxf(__builtin_fminf(x, 88.0f), -87.0f);
-    const float k = floorf(x * 1.44269504088896341f + 0.5f);
-    const float f = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    p = p * f * f + f + 1.0f;
-    union { uint32_t u; float f; } s;
-    s.u = (uint32_t)((int32_t)k + 127) << 23;
-    return p * s.f;
+    return exp_clamped(__builtin_fmaxf(__builtin_fminf(x, 88.0f), -87.0f));
 }
 
 /* SwiGLU's activation of gate_up [rows, 2n]: out [rows, n] = bf16(bf16(silu(gate)) * up).

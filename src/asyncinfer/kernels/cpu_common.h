@@ -1,0 +1,31 @@
+/* What the CPU kernels' sources share (asyncinfer.kernels.cpu compiles them together). */
+#ifndef ASYNCINFER_CPU_COMMON_H
+#define ASYNCINFER_CPU_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* GCC's generic vector of 16 floats: one AVX-512 register, or two AVX2 ones. */
+typedef float vf __attribute__((vector_size(64)));
+
+/* exp(x) for x already clamped to [-87, 88], as Cephes' expf: x = k ln2 + f, a degree-6
+ * polynomial in f, scaled by 2^k; within 2 ulp, and written so that loops over it
+ * vectorize (libm's expf is a call per element). Callers clamp as their range allows. */
+INLINE float exp_clamped(float x) {
+    const float k = floorf(x * 1.44269504088896341f + 0.5f);
+    const float f = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = p * f * f + f + 1.0f;
+    union { uint32_t u; float f; } s;
+    s.u = (uint32_t)((int32_t)k + 127) << 23;
+    return p * s.f;
+}
+
+#endif
