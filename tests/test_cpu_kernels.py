@@ -233,15 +233,23 @@ def _bf16_decode_logits(model_dir, seqs, cpu_kernels: bool):
     return runner, runner.forward(decode).logits
 
 
+@pytest.mark.parametrize("plain_copy", [True, False])
 def test_the_bf16_engine_on_the_kernels_is_as_close_to_fp32_transformers_as_torchs(
-        smollm2_dir) -> None:
+        smollm2_dir, plain_copy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 with the CPU kernels (decode attention, layer ops, and packed weights where
-    oneDNN has native bf16) against the same engine on torch's ops, both measured against
-    transformers in float32: the kernels' logits are no further from it. (Greedy tokens
-    cannot be compared: bf16 rounding flips near-ties either way.)"""
+    oneDNN has native bf16: beside the plain ones, or alone as when memory is short)
+    against the same engine on torch's ops, both measured against transformers in
+    float32: the kernels' logits are no further from it. (Greedy tokens cannot be
+    compared: bf16 rounding flips near-ties either way.)"""
     import random
 
+    from asyncinfer.models import llama
+
+    if not plain_copy:
+        monkeypatch.setattr(llama, "keeps_both_copies", lambda weight_bytes: False)
+
     from asyncinfer.kernels.cpu import NativeKernels
+    from asyncinfer.layers.linear import can_pack
     from tests.hf_reference import hf_last_logits, load_hf
 
     rng = random.Random(5)
@@ -253,6 +261,8 @@ def test_the_bf16_engine_on_the_kernels_is_as_close_to_fp32_transformers_as_torc
         runner, logits = _bf16_decode_logits(smollm2_dir, seqs, cpu_kernels)
         uses = isinstance(getattr(runner.model.ops.silu_mul, "__self__", None), NativeKernels)
         assert uses == (cpu_kernels and native.load() is not None)
+        down = runner.model.layers[0].mlp.down_proj
+        assert (down.weight.numel() == 0) == (not plain_copy and can_pack(torch.bfloat16))
         errors.append(((logits - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item())
         agreements.append((logits.argmax(-1) == ref.argmax(-1)).float().mean().item())
     assert errors[0] <= 1.25 * errors[1]
@@ -273,3 +283,26 @@ def test_argmax_equals_torchs_with_ties_and_nans(march: str) -> None:
     assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1))
     half = logits.bfloat16()                            # widened first, as torch's path
     assert torch.equal(kernels.argmax(half), half.float().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("keep_plain", [True, False])
+def test_packed_weights_give_torchs_products_and_free_the_plain_copy_when_asked(
+        keep_plain: bool) -> None:
+    from asyncinfer.layers.linear import PACKED_ROWS, Linear, can_pack
+
+    if not can_pack(torch.bfloat16):
+        pytest.skip("oneDNN has no native bf16 on this CPU")
+    gen = torch.Generator().manual_seed(2)
+    linear = Linear(576, 960).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(960, 576, generator=gen))
+    plain = linear.weight.detach().clone()
+    inputs = [torch.randn(rows, 576, generator=gen).bfloat16()
+              for rows in (1, 40, PACKED_ROWS + 100)]
+    expected = [F.linear(x, plain) for x in inputs]
+    linear.pack_for_cpu(64, keep_plain=keep_plain)
+    assert linear.weight.numel() == (plain.numel() if keep_plain else 0)
+    for x, want in zip(inputs, expected):
+        got = linear(x)
+        # The same oneDNN arithmetic, blocked for another size: a rare last-bit difference.
+        assert _bf16_ulps(got, want) <= 1 and (got != want).float().mean() < 1e-3

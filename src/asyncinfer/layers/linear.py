@@ -10,7 +10,8 @@ layout too: torch's own bf16 GEMM goes through oneDNN, but reorders the weight o
 call, which at decode sizes (tens of rows) costs as much as the product; packed once, a
 decode step's products take about half the time, with the same results. Prefill-sized
 products (thousands of rows) are faster through torch's path, which blocks for their size:
-``PACKED_ROWS`` is where the forward switches.
+``PACKED_ROWS`` is where the forward switches, where memory allows keeping both copies;
+otherwise the packed weight replaces the plain one and takes every product.
 """
 
 from __future__ import annotations
@@ -32,20 +33,28 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.shadow: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.packed: torch.Tensor | None = None
+        self.packed_rows: int | None = None  # above this many rows, the plain weight
 
     def use_fp32_shadow(self) -> None:
         """Multiply in float32 from now on (call after the weights are final)."""
         bias = None if self.bias is None else self.bias.detach().float()
         self.shadow = (self.weight.detach().float(), bias)
 
-    def pack_for_cpu(self, rows_hint: int) -> None:
+    def pack_for_cpu(self, rows_hint: int, keep_plain: bool = True) -> None:
         """Multiply through a oneDNN-packed copy of the weight from now on (a CPU with
         native half-precision units; call after the weights are final). ``rows_hint``:
-        the row count oneDNN picks its blocking for (any count still works)."""
+        the row count oneDNN picks its blocking for (any count still works). Without
+        ``keep_plain`` the plain weight's memory is given back and the packed copy takes
+        products of any size."""
         self.packed = pack_weight(self.weight, rows_hint)
+        self.packed_rows = PACKED_ROWS
+        if not keep_plain:
+            self.packed_rows = None
+            self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= PACKED_ROWS:
+        if self.packed is not None and (self.packed_rows is None
+                                        or x.shape[0] <= self.packed_rows):
             return packed_linear(x, self.packed, self.bias)
         if self.shadow is not None:
             return F.linear(x.float(), *self.shadow).to(x.dtype)
@@ -92,3 +101,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b`` through a weight from :func:`pack_weight`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def keeps_both_copies(weight_bytes: int, share: float = 0.25) -> bool:
+    """Whether a packed copy of ``weight_bytes`` of weights can sit beside the plain ones:
+    when it takes at most ``share`` of the memory available now (unknown: no)."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return False
+    return weight_bytes <= share * int(line.split()[1]) * 1024

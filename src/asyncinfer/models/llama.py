@@ -24,6 +24,7 @@ from asyncinfer.layers.linear import (
     PACKED_ROWS,
     Linear,
     MergedLinear,
+    keeps_both_copies,
     pack_weight,
     packed_linear,
 )
@@ -188,10 +189,13 @@ class LlamaForCausalLM(nn.Module):
             self.tied_shadow = self.embed_tokens.weight.detach().float()
 
     def pack_for_cpu(self, rows_hint: int) -> None:
-        """Run every matrix product through oneDNN-packed weights (see layers.linear)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu(rows_hint)
+        """Run the matrix products through oneDNN-packed weights (see layers.linear): beside
+        the plain ones where memory allows, else instead of them (the embedding stays: the
+        tied head gets its own packed copy)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        keep = keeps_both_copies(sum(m.weight.nbytes for m in linears))
+        for module in linears:
+            module.pack_for_cpu(rows_hint, keep_plain=keep)
         if self.lm_head is None:
             self.tied_packed = pack_weight(self.embed_tokens.weight, rows_hint)
 
