@@ -99,7 +99,6 @@ class NativeKernels:
             kv_heads, dim, scale, max_len, torch.get_num_threads())
         return out
 
-
     # The elementwise work of a layer, bfloat16 activations only (layers.fused says what
     # each computes; the C source, how it rounds).
 
@@ -114,12 +113,13 @@ class NativeKernels:
         """``r = residual + x`` (``x`` itself when ``residual`` is None); ``(norm(r), r)``.
         ``x`` [rows, n] may be a view with a row stride; the rest are contiguous."""
         rows, n = x.shape
+        assert x.dtype == weight.dtype == torch.bfloat16
         assert x.stride(1) == 1 and weight.is_contiguous()
         out = torch.empty(rows, n, dtype=x.dtype)
         if residual is None:
             res, res_ptr, res_out = x, None, None
         else:
-            assert residual.is_contiguous()
+            assert residual.is_contiguous() and residual.dtype == torch.bfloat16
             res = torch.empty_like(out)
             res_ptr, res_out = residual.data_ptr(), res.data_ptr()
         self._norm(x.data_ptr(), x.stride(0), res_ptr, weight.data_ptr(), rows, n, eps,
@@ -129,7 +129,7 @@ class NativeKernels:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of the contiguous fused [rows, 2 n] product."""
         rows, width = gate_up.shape
-        assert gate_up.is_contiguous()
+        assert gate_up.is_contiguous() and gate_up.dtype == torch.bfloat16
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
         self._silu(gate_up.data_ptr(), rows, width // 2, out.data_ptr(),
                    torch.get_num_threads())
@@ -146,7 +146,9 @@ class NativeKernels:
         rows = qkv.shape[0]
         assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous()
-        assert k_cache.dtype in (torch.bfloat16, torch.float32)
+        assert k_cache.dtype in (torch.bfloat16, torch.float32) and k_cache.dtype == v_cache.dtype
+        assert qkv.dtype == cos.dtype == sin.dtype == torch.bfloat16
+        assert all(w is None or w.dtype == torch.bfloat16 for w in (q_weight, k_weight))
         q = torch.empty(rows, heads, head_dim, dtype=qkv.dtype)
         k = torch.empty(rows, kv_heads, head_dim, dtype=qkv.dtype)
         self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
