@@ -103,12 +103,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def keeps_both_copies(weight_bytes: int, share: float = 0.25) -> bool:
+def keeps_both_copies(weight_bytes: int, share: float = 0.125) -> bool:
     """Whether a packed copy of ``weight_bytes`` of weights can sit beside the plain ones:
-    when it takes at most ``share`` of the memory available now (unknown: no)."""
+    when it takes at most ``share`` of the machine's memory (unknown: no). The total, not
+    what is free now, so that every run and every tensor-parallel rank on a machine
+    decides alike and computes alike."""
     try:
         with open("/proc/meminfo") as f:
-            line = next(line for line in f if line.startswith("MemAvailable:"))
+            line = next(line for line in f if line.startswith("MemTotal:"))
     except (OSError, StopIteration):
         return False
     return weight_bytes <= share * int(line.split()[1]) * 1024
