@@ -15,11 +15,19 @@ from asyncinfer.kernels import cpu as native
 
 
 def _cpu_has(flag: str) -> bool:
-    return flag in native._cpu_flags().split()
+    return flag in native.cpu_flags().split()
 
 
 BUILDS = ["native", pytest.param("x86-64-v3", marks=pytest.mark.skipif(
     not _cpu_has("avx2"), reason="needs AVX2"))]
+
+
+def _build(march: str) -> native.NativeKernels:
+    """The kernels built for ``march``; the test is skipped where they cannot be built."""
+    kernels = native.load(march)
+    if kernels is None:
+        pytest.skip(f"no C compiler for -march={march}")
+    return kernels
 
 
 def _case(dtype: torch.dtype, heads: int, kv_heads: int, dim: int, seed: int = 0):
@@ -53,9 +61,7 @@ def _reference(q, k, v, table, rows, lens, scale):
 def test_decode_attention_equals_sdpa_over_gathered_kv(march: str, dtype: torch.dtype,
                                                        heads: int, kv_heads: int,
                                                        dim: int) -> None:
-    kernels = native.load(march)
-    if kernels is None:
-        pytest.skip(f"no C compiler for -march={march}")
+    kernels = _build(march)
     q, k, v, table, rows, lens = _case(dtype, heads, kv_heads, dim)
     scale = dim**-0.5
     out = kernels.decode_attention(q, k, v, table, rows, lens, scale, int(lens.max()))
@@ -66,9 +72,7 @@ def test_decode_attention_equals_sdpa_over_gathered_kv(march: str, dtype: torch.
 def test_the_avx2_and_native_builds_agree_and_outputs_do_not_depend_on_the_batch() -> None:
     if not _cpu_has("avx2"):
         pytest.skip("needs AVX2")
-    avx2, here = native.load("x86-64-v3"), native.load("native")
-    if avx2 is None or here is None:
-        pytest.skip("no C compiler")
+    avx2, here = _build("x86-64-v3"), _build("native")
     q, k, v, table, rows, lens = _case(torch.bfloat16, 9, 3, 64, seed=1)
     a = avx2.decode_attention(q, k, v, table, rows, lens, 0.125, int(lens.max()))
     b = here.decode_attention(q, k, v, table, rows, lens, 0.125, int(lens.max()))
@@ -136,9 +140,7 @@ def _rope_case(tokens: int, heads: int, kv_heads: int, dim: int, qk_norm: bool):
 def test_norms_and_silu_equal_torchs_bf16(march: str, tokens: int) -> None:
     from asyncinfer.layers import fused
 
-    kernels = native.load(march)
-    if kernels is None:
-        pytest.skip(f"no C compiler for -march={march}")
+    kernels = _build(march)
     gen = torch.Generator().manual_seed(7)
     x, residual = (torch.randn(tokens, 576, generator=gen).bfloat16() for _ in range(2))
     weight = (1 + 0.1 * torch.randn(576, generator=gen)).bfloat16()
@@ -164,9 +166,7 @@ def test_rope_and_kv_store_equal_torchs_bf16(march: str, qk_norm: bool,
                                              cache_dtype: torch.dtype) -> None:
     from asyncinfer.layers import fused
 
-    kernels = native.load(march)
-    if kernels is None:
-        pytest.skip(f"no C compiler for -march={march}")
+    kernels = _build(march)
     heads, kv_heads, dim, tokens = 8, 2, 128, 19
     qkv, cos, sin, (q_w, k_w), slots = _rope_case(tokens, heads, kv_heads, dim, qk_norm)
     caches = [torch.full((4 * tokens, kv_heads, dim), 7.0, dtype=cache_dtype)
@@ -191,9 +191,7 @@ def test_rope_and_kv_store_equal_torchs_bf16(march: str, qk_norm: bool,
 def test_the_avx2_and_native_layer_ops_give_the_same_bits() -> None:
     if not _cpu_has("avx2"):
         pytest.skip("needs AVX2")
-    avx2, here = native.load("x86-64-v3"), native.load("native")
-    if avx2 is None or here is None:
-        pytest.skip("no C compiler")
+    avx2, here = _build("x86-64-v3"), _build("native")
     gen = torch.Generator().manual_seed(3)
     x, residual = (torch.randn(23, 960, generator=gen).bfloat16() for _ in range(2))
     weight = torch.randn(960, generator=gen).bfloat16()
@@ -271,9 +269,7 @@ def test_the_bf16_engine_on_the_kernels_is_as_close_to_fp32_transformers_as_torc
 
 @pytest.mark.parametrize("march", BUILDS)
 def test_argmax_equals_torchs_with_ties_and_nans(march: str) -> None:
-    kernels = native.load(march)
-    if kernels is None:
-        pytest.skip(f"no C compiler for -march={march}")
+    kernels = _build(march)
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(9, 49152, generator=gen)
     logits[1, [7, 300, 40000]] = 50.0                   # equal maxima: the first wins
