@@ -112,17 +112,16 @@ def machine() -> dict[str, Any]:
     the cores this process may use (CPU figures are only comparable on the same kind)."""
     import os
 
-    name, flags = "unknown", set()
+    from asyncinfer.kernels.cpu import cpu_flags
+
+    name = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and name == "unknown":
-                    name = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
+            name = next((line.partition(":")[2].strip() for line in f
+                         if line.startswith("model name")), name)
     except OSError:
         pass
+    flags = set(cpu_flags().partition(":")[2].split())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu": name, "cpu_flags": [f for f in _CPU_FLAGS if f in flags], "cores": cores}
 

@@ -46,7 +46,9 @@ _ROPE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, 
               _PTR, _PTR, _INT, _INT]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature flags, the ``flags`` line of /proc/cpuinfo ("" where there is
+    none): what the compiled kernels are keyed by."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -187,7 +189,7 @@ def load(march: str = "native") -> NativeKernels | None:
     except (OSError, subprocess.SubprocessError):
         version = ""
     texts = [source.read_text() for source in [*SOURCES, *HEADERS]]
-    key = hashlib.sha256("\0".join([*texts, *flags, version, _cpu_flags()])
+    key = hashlib.sha256("\0".join([*texts, *flags, version, cpu_flags()])
                          .encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"cpu_kernels-{march}-{key}.so"
     if not path.exists():
