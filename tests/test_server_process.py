@@ -40,16 +40,7 @@ def start_server(model: Path, *extra: str,
                  port: int | None = None) -> tuple[subprocess.Popen[str], str]:
     """An `asyncinfer serve` process on ``port`` (default: a free loopback port), once
     /health says ok."""
-    port = port or _free_port()
-    _, target = engine_under_test()
-    cmd = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port),
-           "--model", str(model), "--served-model-name", NAME,
-           "--device", target["device"], "--dtype", target["dtype"],
-           "--max-running-requests", "4", "--kv-cache-gb", "0.5",
-           "--cache-type", target["cache_type"], *extra]
-    proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = launch_server(model, *extra, port=port)
     import urllib.request
 
     deadline = time.monotonic() + 120
@@ -66,6 +57,22 @@ def start_server(model: Path, *extra: str,
             proc.kill()
             raise AssertionError("server did not come up")
         time.sleep(0.5)
+
+
+def launch_server(model: Path, *extra: str,
+                  port: int | None = None) -> tuple[subprocess.Popen[str], str]:
+    """An `asyncinfer serve` process on ``port`` (default: a free loopback port), just
+    started."""
+    port = port or _free_port()
+    _, target = engine_under_test()
+    cmd = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port),
+           "--model", str(model), "--served-model-name", NAME,
+           "--device", target["device"], "--dtype", target["dtype"],
+           "--max-running-requests", "4", "--kv-cache-gb", "0.5",
+           "--cache-type", target["cache_type"], *extra]
+    proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def tensor_parallel(ranks: int) -> tuple[str, ...]:
@@ -307,6 +314,31 @@ async def test_two_api_workers_serve_and_stop_together(case: tuple[Path, tuple[s
         assert texts == [expected[p] for p in PROMPTS * 4]
         proc.terminate()
         assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 60) == 0
+        assert none_left(children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("moment", ["core loading", "fronts starting"])
+async def test_sigterm_while_starting_exits_0_and_leaves_nothing(
+        case: tuple[Path, tuple[str, ...]], moment: str) -> None:
+    """SIGTERM while the engine core loads the model, or once it is up and the fronts are
+    starting (before any front watches for signals): the server stops, exits 0, and no
+    process of it is left."""
+    proc, _ = launch_server(case[0], *case[1], "--api-workers", "2")
+    # The core (and its second rank under --tp 2), then the second front.
+    count = 1 if moment == "core loading" else 2 + bool(case[1])
+    try:
+        deadline = time.monotonic() + 120
+        while len(spawned(proc.pid)) < count:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, f"no {moment} within 120 s"
+            await asyncio.sleep(0.01)
+        children = descendants(proc.pid)
+        proc.terminate()
+        code = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 60)
+        assert code == 0, proc.stderr.read() if proc.stderr else ""
         assert none_left(children)
     finally:
         if proc.poll() is None:

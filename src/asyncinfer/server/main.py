@@ -8,7 +8,9 @@ through an :class:`~asyncinfer.ipc.client.EngineClient`.
 
 Stopping: SIGTERM or SIGINT drains every front (see :func:`asyncinfer.server.app.drain`: it
 stops admitting, lets requests in flight finish for ``--shutdown-timeout`` seconds, ends the
-rest), then stops the core, and exits 0. If the core dies, every front answers 503 to what
+rest), then stops the core, and exits 0. A signal that comes while the core is still
+loading stops it and exits 0; one that comes before a front's event loop watches for signals
+is kept, and that front stops as soon as it is up. If the core dies, every front answers 503 to what
 is open and what comes, and exits non-zero; if a front dies, the server stops. A process
 whose server process is gone stops too, so none is left behind.
 """
@@ -26,6 +28,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +51,28 @@ __all__ = ["app_runner", "new_event_loop", "serve", "server_options"]
 
 CORE_START_TIMEOUT = 1800.0   # loading and capturing a large model takes a while
 CORE_STOP_TIMEOUT = 30.0
+
+
+class StopSignals:
+    """SIGTERM and SIGINT, caught from a process's first moment: a signal that comes before
+    the event loop watches for them is kept in :attr:`received` instead of killing the process
+    (SIGTERM) or raising at a random point (SIGINT)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.install()
+
+    def install(self) -> None:
+        """Catch both signals here (again after an event loop that watched them closes)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._keep)
+
+    def _keep(self, signum: int, _frame: object) -> None:
+        self.received.append(signum)
+
+
+class _Stopped(Exception):
+    """A stop signal came while the engine core was starting."""
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -98,6 +123,7 @@ def serve(args: argparse.Namespace) -> int:
         from asyncinfer.server.replicas import serve_replicas
 
         return serve_replicas(args)
+    signals = StopSignals()
     workers = args.api_workers
     verbose = bool(getattr(args, "verbose", False))
     listener = listen(args.host, args.port)
@@ -107,7 +133,12 @@ def serve(args: argparse.Namespace) -> int:
     core: SpawnProcess | None = None
     fronts: list[SpawnProcess] = []
     try:
-        core, info = _start_core(spawn, engine_options(args), addresses, workers, verbose)
+        try:
+            core, info = _start_core(spawn, engine_options(args), addresses, workers, verbose,
+                                     signals.received)
+        except _Stopped:
+            logger.info("stopped while the engine core was starting")
+            return 0
         for index in range(1, workers):
             front = spawn.Process(target=_front_process, name=f"asyncinfer-front-{index}",
                                   args=(args, info, addresses, index, workers, listener,
@@ -117,9 +148,11 @@ def serve(args: argparse.Namespace) -> int:
         loop = new_event_loop()
         try:
             return loop.run_until_complete(_front(
-                args, info, addresses, 0, workers, listener, children=fronts, core=core))
+                args, info, addresses, 0, workers, listener, signals, children=fronts,
+                core=core))
         finally:
             loop.close()
+            signals.install()  # closing gave them back their default actions
     finally:
         listener.close()
         for front in fronts:
@@ -146,9 +179,10 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _start_core(spawn: Any, options: dict[str, Any], addresses: Addresses,
-                workers: int, verbose: bool) -> tuple[SpawnProcess, CoreInfo]:
-    """Start the engine core and wait for its CoreInfo (or the error it failed with)."""
+def _start_core(spawn: Any, options: dict[str, Any], addresses: Addresses, workers: int,
+                verbose: bool, stopping: list[int]) -> tuple[SpawnProcess, CoreInfo]:
+    """Start the engine core and wait for its CoreInfo (or the error it failed with); raise
+    :class:`_Stopped`, the core stopped, once ``stopping`` holds a signal."""
     from asyncinfer.ipc.core import run_engine_core
 
     receive, send = spawn.Pipe(duplex=False)
@@ -157,7 +191,13 @@ def _start_core(spawn: Any, options: dict[str, Any], addresses: Addresses,
     core.start()
     send.close()
     try:
-        ready = multiprocessing.connection.wait([receive, core.sentinel], CORE_START_TIMEOUT)
+        deadline = time.monotonic() + CORE_START_TIMEOUT
+        ready: list[Any] = []
+        while not ready and not stopping and time.monotonic() < deadline:
+            ready = multiprocessing.connection.wait([receive, core.sentinel], 0.1)
+        if stopping:
+            core.terminate()
+            raise _Stopped
         if receive not in ready:
             core.join(1.0)
             if not ready:
@@ -196,21 +236,23 @@ def _reap(process: Any, timeout: float) -> None:
 def _front_process(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
                    index: int, workers: int, listener: socket.socket, verbose: bool) -> None:
     """The entry of fronts 1 .. N-1."""
+    signals = StopSignals()
     configure_logging(verbose, f"front {index}")
     loop = new_event_loop()
     try:
         code = loop.run_until_complete(_front(args, info, addresses, index, workers, listener,
-                                              parent=os.getppid()))
+                                              signals, parent=os.getppid()))
     finally:
         loop.close()
     raise SystemExit(code)
 
 
 async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses, index: int,
-                 workers: int, listener: socket.socket, *, parent: int | None = None,
-                 children: list[SpawnProcess] | None = None,
+                 workers: int, listener: socket.socket, signals: StopSignals, *,
+                 parent: int | None = None, children: list[SpawnProcess] | None = None,
                  core: SpawnProcess | None = None) -> int:
-    """Serve HTTP on ``listener`` for the core until stopped; the exit code."""
+    """Serve HTTP on ``listener`` for the core until stopped (at once where ``signals``
+    kept one from before the loop watched them); the exit code."""
     from asyncinfer.ipc.client import EngineClient
     from asyncinfer.server.app import WorkerInfo, create_app, drain, unready
     from asyncinfer.tokenizer import Tokenizer
@@ -231,6 +273,8 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if signals.received:
+        stop.set()
     unwatch: list[Callable[[], None]] = []
     await client.start()
     client.on_core_exit(fail(lambda: f"the engine core (pid {info.pid}) "
