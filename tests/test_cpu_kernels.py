@@ -3,7 +3,8 @@ gathered K and V, in float32 and over a bfloat16 pool, built for AVX2 (x86-64-v3
 this CPU (-march=native: AVX-512 with bf16 units where there are): each build is pinned to
 the reference, and the builds to each other. The layer ops (norms, rotary with the KV
 store, SiLU) against layers.fused's torch code in bfloat16, the builds bit for bit to each
-other, and the bf16 engine on all the kernels against float32 transformers."""
+other; the AMX matrix product against torch's bf16 linear; and the bf16 engine on all the
+kernels against float32 transformers."""
 
 from __future__ import annotations
 
@@ -302,3 +303,48 @@ def test_packed_weights_give_torchs_products_and_free_the_plain_copy_when_asked(
         got = linear(x)
         # The same oneDNN arithmetic, blocked for another size: a rare last-bit difference.
         assert _bf16_ulps(got, want) <= 1 and (got != want).float().mean() < 1e-3
+
+
+# ---- the AMX matrix product against torch's bf16 linear ----
+
+@pytest.mark.parametrize("rows", [1, 17, 32, 33, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_equals_torchs_bf16_linear(rows: int, bias: bool) -> None:
+    """Both sum in float32 and round once: the same bf16 results but where the order of the
+    sums moves a value across a rounding boundary (one step, rarely)."""
+    kernels = _build("native")
+    if not kernels.amx:
+        pytest.skip("no AMX tile units here")
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 320, generator=gen).bfloat16()
+    b = torch.randn(96, generator=gen).bfloat16() if bias else None
+    # A view with a row stride, as the products' inputs sometimes are.
+    x = torch.randn(rows, 400, generator=gen).bfloat16()[:, 40:360]
+    out = kernels.amx_linear(x, kernels.amx_pack(weight), 96, b)
+    _close_to_torch(out, F.linear(x, weight, b))
+
+
+def test_the_engine_multiplies_on_amx_where_the_cpu_has_it(smollm2_dir) -> None:
+    """Every decode-sized product of a bf16 engine goes through the AMX kernel where it
+    builds (the tied head included); elsewhere through oneDNN's packed weights, or torch's
+    where the CPU has no native bf16."""
+    from asyncinfer.config import EngineConfig
+    from asyncinfer.engine.runner import ModelRunner
+    from asyncinfer.layers.linear import Linear, can_pack
+
+    runner = ModelRunner(EngineConfig(dtype="bfloat16", max_running_requests=4,
+                                      max_seq_len=128, num_pages=64), smollm2_dir)
+    kernels = native.load()
+    amx = kernels is not None and kernels.amx
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert linears
+    for module in linears:
+        packed = module.packed
+        assert (packed is not None) == can_pack(torch.bfloat16)
+        if packed is not None:
+            assert (packed.kernels is not None) == amx
+            assert (module.packed_rows is None) == (module.weight.numel() == 0)
+    head = runner.model.tied_packed  # SmolLM2 ties its head to the embedding
+    assert (head is not None) == can_pack(torch.bfloat16)
+    if head is not None:
+        assert (head.kernels is not None) == amx

@@ -45,6 +45,7 @@ from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.engine.cuda_graph import CudaGraphs, Graph
 from asyncinfer.engine.sampler import Sampler
 from asyncinfer.errors import ConfigError
+from asyncinfer.kernels.cpu import NativeKernels
 from asyncinfer.kernels.cpu import load as load_cpu_kernels
 from asyncinfer.kvcache.pool import KVPool
 from asyncinfer.layers.fused import LayerOps
@@ -108,7 +109,9 @@ class ModelRunner:
         self.tp.check(full.num_heads, full.num_kv_heads, full.intermediate_size)
         self.shard_config = full.sharded(self.tp.size)
         self.context_len = config.context_len(self.model_config)
-        self.model = self._load_model(model_dir)
+        kernels = (load_cpu_kernels() if self.device.type == "cpu" and config.cpu_kernels
+                   else None)
+        self.model = self._load_model(model_dir, kernels)
         # With float32 kernels the cache holds half-precision values in float32 (exactly).
         self.kv_dtype = torch.float32 if config.fp32_kernels else self.dtype
         cfg, page = self.shard_config, config.page_size
@@ -135,8 +138,6 @@ class ModelRunner:
             self.pool, self.page_table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.head_dim**-0.5, self.dtype, self.device, self.scratch_page,
             native=config.cpu_kernels))
-        kernels = (load_cpu_kernels() if self.device.type == "cpu" and config.cpu_kernels
-                   else None)
         if kernels is not None and kernels.runs_layer_ops(self.dtype, cfg.hidden_size,
                                                           cfg.head_dim):
             self.model.ops = LayerOps(native=kernels)
@@ -206,7 +207,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, attn)
         return self.logits(hidden if last is None else hidden[last])
 
-    def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
+    def _load_model(self, model_dir: Path, kernels: NativeKernels | None) -> LlamaForCausalLM:
         cfg = self.shard_config
         rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, self.context_len + 1, self.device)
         # Build on the meta device so no time goes into an initialisation we overwrite.
@@ -221,7 +222,9 @@ class ModelRunner:
         if self.config.fp32_kernels:
             model.use_fp32_shadow()
         elif self.device.type == "cpu" and can_pack(self.dtype):
-            model.pack_for_cpu(self.config.max_running_requests)
+            # Our AMX kernel for the products where it builds (see layers.linear).
+            model.pack_for_cpu(self.config.max_running_requests,
+                               kernels if kernels is not None and kernels.amx else None)
         return model
 
     def _pages_from_budget(self, extra_pages: int) -> int:

@@ -1,6 +1,8 @@
 """CPU kernels of our own, compiled for this CPU at first use: decode attention over the
-paged KV cache (``cpu_attention.c``, for the torch attention backend) and the elementwise
-work between a layer's matrix products (``cpu_layer_ops.c``, for layers.fused).
+paged KV cache (``cpu_attention.c``, for the torch attention backend), the elementwise work
+between a layer's matrix products (``cpu_layer_ops.c``, for layers.fused), and bfloat16
+matrix products on AMX tile units where the CPU has them (``cpu_gemm.c``, for
+layers.linear).
 
 The sources are compiled once per CPU kind with the system's C compiler (``$CC``, else
 ``cc``) and ``-march=native``, so an AVX2-only CPU and an AVX-512 one each get code for
@@ -31,7 +33,8 @@ from asyncinfer.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layer_ops.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_attention.c", "cpu_layer_ops.c", "cpu_gemm.c")]
 HEADERS = [Path(__file__).with_name("cpu_common.h")]
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-std=c11", "-ffp-contract=fast", "-Wno-psabi"]
@@ -39,6 +42,7 @@ FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trappin
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32,
                 _I64, _INT]
+_GEMM_ARGS = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT]
 _NORM_ARGS = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _INT]
 _SILU_ARGS = [_PTR, _I64, _I64, _PTR, _INT]
 _ARGMAX_ARGS = [_PTR, _I64, _I64, _PTR, _INT]
@@ -72,6 +76,13 @@ class NativeKernels:
         self._silu = self._bind("silu_mul_bf16", _SILU_ARGS)
         self._rope = self._bind("qk_norm_rope_store_bf16", _ROPE_ARGS)
         self._argmax = self._bind("argmax_rows_f32", _ARGMAX_ARGS)
+        self._amx_pack = self._bind("amx_pack_bf16", [_PTR, _I64, _I64, _PTR])
+        self._amx_linear = self._bind("amx_linear_bf16", _GEMM_ARGS)
+        ready = self._lib.amx_linear_ready
+        ready.argtypes, ready.restype = [], _INT
+        self.amx = bool(ready())
+        """Whether this build multiplies on AMX tiles (the CPU has them, the compiler
+        targets them and the kernel lets the process use them)."""
 
     def _bind(self, name: str, args: list[Any]) -> Any:
         fn = getattr(self._lib, name)
@@ -99,6 +110,37 @@ class NativeKernels:
             q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(),
             table.shape[1], rows.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, heads,
             kv_heads, dim, scale, max_len, torch.get_num_threads())
+        return out
+
+    # bfloat16 matrix products on AMX tiles (cpu_gemm.c says how).
+
+    def amx_packs(self, weight: torch.Tensor) -> bool:
+        """Whether :meth:`amx_pack` takes ``weight`` [out, in]: bf16, both sizes multiples
+        of 32, on a build with AMX."""
+        return (self.amx and weight.dtype == torch.bfloat16 and weight.dim() == 2
+                and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0)
+
+    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` [out, in] in the AMX tile layout, flat."""
+        assert self.amx_packs(weight)
+        weight = weight.detach().contiguous()
+        packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        self._amx_pack(weight.data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
+        return packed
+
+    def amx_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x Wᵀ + b`` for bf16 ``x`` [rows, in] (rows may have a stride) and W packed by
+        :meth:`amx_pack`: float32 sums, rounded once to bf16."""
+        rows, k = x.shape
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1
+        assert packed.numel() == out_features * k
+        assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+        out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        if rows:
+            self._amx_linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                             None if bias is None else bias.data_ptr(), rows, out_features, k,
+                             out.data_ptr(), torch.get_num_threads())
         return out
 
     # The elementwise work of a layer, bfloat16 activations only (layers.fused says what

@@ -10,6 +10,7 @@ of each checkpoint tensor this rank reads.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,13 +25,16 @@ from asyncinfer.layers.linear import (
     PACKED_ROWS,
     Linear,
     MergedLinear,
+    PackedWeight,
     keeps_both_copies,
     pack_weight,
-    packed_linear,
 )
 from asyncinfer.layers.norm import RMSNorm
 from asyncinfer.layers.rotary import RotaryEmbedding, RotaryTables
 from asyncinfer.models.weights import ZEROS, Part
+
+if TYPE_CHECKING:
+    from asyncinfer.kernels.cpu import NativeKernels
 
 
 class Attention(nn.Module):
@@ -130,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(cfg, i, self.qk_norm, self.tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied_shadow: torch.Tensor | None = None
-        self.tied_packed: torch.Tensor | None = None
+        self.tied_packed: PackedWeight | None = None
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, rows))
         self.ops = LayerOps()
@@ -171,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         elif self.tied_packed is not None and hidden.shape[0] <= PACKED_ROWS:
-            logits = packed_linear(hidden, self.tied_packed)
+            logits = self.tied_packed(hidden)
         elif self.tied_shadow is not None:
             # Rounded as a native half-precision GEMM would round it.
             logits = F.linear(hidden.float(), self.tied_shadow).to(hidden.dtype)
@@ -188,16 +192,17 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.tied_shadow = self.embed_tokens.weight.detach().float()
 
-    def pack_for_cpu(self, rows_hint: int) -> None:
-        """Run the matrix products through oneDNN-packed weights (see layers.linear): beside
-        the plain ones where memory allows, else instead of them (the embedding stays: the
-        tied head gets its own packed copy)."""
+    def pack_for_cpu(self, rows_hint: int, amx: NativeKernels | None = None) -> None:
+        """Run the matrix products through packed weights (see layers.linear; for ``amx``'s
+        kernel where it takes them, else oneDNN's): beside the plain ones where memory
+        allows, else instead of them (the embedding stays: the tied head gets its own
+        packed copy)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         keep = keeps_both_copies(sum(m.weight.nbytes for m in linears))
         for module in linears:
-            module.pack_for_cpu(rows_hint, keep_plain=keep)
+            module.pack_for_cpu(rows_hint, keep_plain=keep, amx=amx)
         if self.lm_head is None:
-            self.tied_packed = pack_weight(self.embed_tokens.weight, rows_hint)
+            self.tied_packed = pack_weight(self.embed_tokens.weight, rows_hint, amx)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (transformers' names) into the fused parameters; under
