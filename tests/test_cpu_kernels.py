@@ -280,6 +280,17 @@ def test_argmax_equals_torchs_with_ties_and_nans(march: str) -> None:
     assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1))
     half = logits.bfloat16()                            # widened first, as torch's path
     assert torch.equal(kernels.argmax(half), half.float().argmax(dim=-1))
+    # Widths with a tail past the sixteen lanes, and shorter than them; ties in lanes other
+    # than the first's, and between the lanes and the tail.
+    for width in (49155, 40, 7):
+        rows = torch.randn(6, width, generator=gen)
+        rows[0, [17 % width, 3]] = 9.0
+        rows[1, [width - 1, width - 2]] = 9.0
+        rows[2, [0, width - 1]] = 9.0
+        rows[3, width - 1] = float("nan")
+        rows[4] = float("-inf")
+        rows[5, :] = 1.0
+        assert torch.equal(kernels.argmax(rows), rows.argmax(dim=-1)), width
 
 
 @pytest.mark.parametrize("keep_plain", [True, False])

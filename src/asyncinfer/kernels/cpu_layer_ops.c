@@ -168,25 +168,59 @@ void qk_norm_rope_store_bf16(const bf16 *qkv, const bf16 *cos, const bf16 *sin,
     }
 }
 
+typedef int32_t vi32 __attribute__((vector_size(64)));
+
+/* The first index of row's largest value, or of its first NaN, as torch.argmax. Sixteen
+ * lanes keep their own largest value and where it was (strictly larger replaces, so each
+ * keeps its first); the lanes are then merged, the smallest index among equal values
+ * winning. A row with a NaN is scanned again, one value at a time. */
+INLINE int64_t argmax_row(const float *row, int64_t n) {
+    const int64_t body = n / 16 * 16;
+    vf top = {0}, v;
+    vi32 at = {0}, pos = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vi32 nan = {0};
+    top -= INFINITY;
+    for (int64_t i = 0; i < body; i += 16) {
+        memcpy(&v, row + i, sizeof v);
+        const vi32 more = v > top;
+        top = (vf)(((vi32)v & more) | ((vi32)top & ~more));
+        at = (pos & more) | (at & ~more);
+        nan |= v != v;
+        pos += 16;
+    }
+    float lanes[16];
+    int32_t where[16], nans[16];
+    memcpy(lanes, &top, sizeof lanes);
+    memcpy(where, &at, sizeof where);
+    memcpy(nans, &nan, sizeof nans);
+    int any_nan = 0;
+    for (int j = 0; j < 16; j++) any_nan |= nans[j];
+    int64_t best = 0;
+    float value = body ? lanes[0] : row[0];
+    if (body)
+        for (int j = 1; j < 16; j++)
+            if (lanes[j] > value || (lanes[j] == value && where[j] < where[best])) {
+                value = lanes[j];
+                best = j;
+            }
+    int64_t index = body ? where[best] : 0;
+    for (int64_t i = body; i < n; i++) {
+        any_nan |= row[i] != row[i];
+        if (row[i] > value) {
+            value = row[i];
+            index = i;
+        }
+    }
+    if (any_nan)
+        for (int64_t i = 0; i < n; i++)
+            if (row[i] != row[i]) return i;
+    return index;
+}
+
 /* The index of each row's largest value, x [rows, n] float32 -> out [rows]: the first one
  * among equals, and the first NaN if a row has one, as torch.argmax. A greedy batch's
  * sampling is this one pass; torch's argmax runs each row on one thread. */
 void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * n;
-        int64_t best = 0;
-        float top = row[0];
-        for (int64_t i = 0; i < n; i++) {
-            if (row[i] != row[i]) {
-                best = i;
-                break;
-            }
-            if (row[i] > top) {
-                top = row[i];
-                best = i;
-            }
-        }
-        out[r] = best;
-    }
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);
 }
