@@ -70,6 +70,23 @@ def test_decode_attention_equals_sdpa_over_gathered_kv(march: str, dtype: torch.
                                rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_of_bf16_queries_is_the_float32_result_rounded(
+        march: str, dtype: torch.dtype) -> None:
+    """bf16 queries in, bf16 out: the float32 computation of the same (widened) queries,
+    rounded once, bit for bit; the dims of 48 take the unblocked path."""
+    kernels = _build(march)
+    for heads, kv_heads, dim in ((9, 3, 64), (6, 2, 48)):
+        q, k, v, table, rows, lens = _case(dtype, heads, kv_heads, dim, seed=2)
+        q = q.bfloat16()
+        out = kernels.decode_attention(q, k, v, table, rows, lens, 0.125, int(lens.max()))
+        wide = kernels.decode_attention(q.float(), k, v, table, rows, lens, 0.125,
+                                        int(lens.max()))
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, wide.bfloat16())
+
+
 def test_the_avx2_and_native_builds_agree_and_outputs_do_not_depend_on_the_batch() -> None:
     if not _cpu_has("avx2"):
         pytest.skip("needs AVX2")

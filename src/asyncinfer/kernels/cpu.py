@@ -41,7 +41,7 @@ FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trappin
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32,
-                _I64, _INT]
+                _I64, _INT, _INT]
 _GEMM_ARGS = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT]
 _NORM_ARGS = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _INT]
 _SILU_ARGS = [_PTR, _I64, _I64, _PTR, _INT]
@@ -98,9 +98,12 @@ class NativeKernels:
                          scale: float, max_len: int) -> torch.Tensor:
         """Each request's one query [batch, heads, dim] against keys 0 .. lens[i] of its
         row ``rows[i]`` of ``table`` (the KV slot of each position) in one layer's pools
-        [slots, kv_heads, dim]: the attention output [batch, heads, dim] in float32.
-        ``max_len`` bounds ``lens``; every tensor is on the CPU and contiguous."""
-        q = q.to(torch.float32).contiguous()
+        [slots, kv_heads, dim]: the attention output [batch, heads, dim], in bfloat16 for a
+        bfloat16 ``q`` (computed in float32, rounded once), else in float32. ``max_len``
+        bounds ``lens``; every tensor is on the CPU and contiguous."""
+        if q.dtype != torch.bfloat16:
+            q = q.to(torch.float32)
+        q = q.contiguous()
         batch, heads, dim = q.shape
         kv_heads = k_pool.shape[1]
         out = torch.empty_like(q)
@@ -109,7 +112,8 @@ class NativeKernels:
         self._decode[k_pool.dtype](
             q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(),
             table.shape[1], rows.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, heads,
-            kv_heads, dim, scale, max_len, torch.get_num_threads())
+            kv_heads, dim, scale, max_len, int(q.dtype == torch.bfloat16),
+            torch.get_num_threads())
         return out
 
     # bfloat16 matrix products on AMX tiles (cpu_gemm.c says how).

@@ -231,13 +231,28 @@ INLINE void *scratch(size_t bytes) {
     return aligned_alloc(64, (bytes + 63) / 64 * 64);
 }
 
-/* q [batch, heads, dim] float32; pools [slots, kv_heads, dim]; table [*, width] int64 slot
- * of each position; rows, lens [batch]; out [batch, heads, dim] float32. */
+INLINE float widen_one(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+/* float32 to bfloat16, rounding to nearest even (NaN stays a quiet NaN), as torch does. */
+INLINE uint16_t narrow_one(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+/* q [batch, heads, dim]; pools [slots, kv_heads, dim]; table [*, width] int64 slot of each
+ * position; rows, lens [batch]; out [batch, heads, dim]. q and out are float32, or with
+ * ``bf16_io`` bfloat16 (out rounded once from the float32 result, as a cast would). */
 #define DECODE(NAME, KV_T, TASK_FN, BLOCKED_FN)                                              \
-    void NAME(const float *q, const KV_T *k_pool, const KV_T *v_pool, const int64_t *table,  \
-              int64_t width, const int64_t *rows, const int64_t *lens, float *out,           \
-              int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale,      \
-              int64_t max_len, int threads) {                                                \
+    void NAME(const void *q_in, const KV_T *k_pool, const KV_T *v_pool,                      \
+              const int64_t *table, int64_t width, const int64_t *rows, const int64_t *lens, \
+              void *out_v, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,      \
+              float scale, int64_t max_len, int bf16_io, int threads) {                      \
         const int64_t group = heads / kv_heads, stride = kv_heads * dim, nc = dim / 16;      \
         const int blocked = dim % 16 == 0;                                                   \
         const int64_t padded = (max_len + BLOCK - 1) / BLOCK * BLOCK;                        \
@@ -245,36 +260,44 @@ INLINE void *scratch(size_t bytes) {
             float *scores = scratch(sizeof(float) * (size_t)(group * padded));               \
             float *acc = scratch(sizeof(float) * (size_t)(group * dim));                     \
             float *qs = scratch(sizeof(float) * (size_t)(group * dim));                      \
+            float *res = scratch(sizeof(float) * (size_t)(group * dim));                     \
             vf *block = scratch(sizeof(float) * (size_t)(BLOCK * dim));                      \
             _Pragma("omp for collapse(2) schedule(dynamic, 1)")                              \
             for (int64_t b = 0; b < batch; b++) {                                            \
                 for (int64_t g = 0; g < kv_heads; g++) {                                     \
-                    const float *qb = q + (b * heads + g * group) * dim;                     \
+                    const int64_t at = (b * heads + g * group) * dim;                        \
                     const KV_T *k = k_pool + g * dim, *v = v_pool + g * dim;                 \
                     const int64_t *slots = table + rows[b] * width;                          \
-                    float *ob = out + (b * heads + g * group) * dim;                         \
+                    const float f = blocked ? scale : 1.0f;                                  \
+                    for (int64_t i = 0; i < group * dim; i++)                                \
+                        qs[i] = (bf16_io ? widen_one(((const uint16_t *)q_in)[at + i])       \
+                                         : ((const float *)q_in)[at + i]) * f;               \
                     if (blocked) {                                                           \
-                        for (int64_t i = 0; i < group * dim; i++) qs[i] = qb[i] * scale;     \
                         const vf *qv = (const vf *)qs;                                       \
                         if (nc == 4)                                                         \
                             BLOCKED_FN(qv, k, v, slots, lens[b], stride, group, 4, scores,   \
-                                       block, (vf *)acc, ob);                                \
+                                       block, (vf *)acc, res);                               \
                         else if (nc == 8)                                                    \
                             BLOCKED_FN(qv, k, v, slots, lens[b], stride, group, 8, scores,   \
-                                       block, (vf *)acc, ob);                                \
+                                       block, (vf *)acc, res);                               \
                         else                                                                 \
                             BLOCKED_FN(qv, k, v, slots, lens[b], stride, group, nc, scores,  \
-                                       block, (vf *)acc, ob);                                \
-                        continue;                                                            \
+                                       block, (vf *)acc, res);                               \
+                    } else {                                                                 \
+                        TASK_FN(qs, k, v, slots, lens[b], stride, group, dim, scale, scores, \
+                                acc, res);                                                   \
                     }                                                                        \
-                    for (int64_t i = 0; i < group * dim; i++) qs[i] = qb[i];                 \
-                    TASK_FN(qs, k, v, slots, lens[b], stride, group, dim, scale, scores,     \
-                            acc, ob);                                                        \
+                    if (bf16_io)                                                             \
+                        for (int64_t i = 0; i < group * dim; i++)                            \
+                            ((uint16_t *)out_v)[at + i] = narrow_one(res[i]);                \
+                    else                                                                     \
+                        memcpy((float *)out_v + at, res, sizeof(float) * (size_t)(group * dim)); \
                 }                                                                            \
             }                                                                                \
             free(scores);                                                                    \
             free(acc);                                                                       \
             free(qs);                                                                        \
+            free(res);                                                                       \
             free(block);                                                                     \
         }                                                                                    \
     }
