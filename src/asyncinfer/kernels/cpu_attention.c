@@ -231,20 +231,6 @@ INLINE void *scratch(size_t bytes) {
     return aligned_alloc(64, (bytes + 63) / 64 * 64);
 }
 
-INLINE float widen_one(uint16_t x) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-/* float32 to bfloat16, rounding to nearest even (NaN stays a quiet NaN), as torch does. */
-INLINE uint16_t narrow_one(float f) {
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
-
 /* q [batch, heads, dim]; pools [slots, kv_heads, dim]; table [*, width] int64 slot of each
  * position; rows, lens [batch]; out [batch, heads, dim]. q and out are float32, or with
  * ``bf16_io`` bfloat16 (out rounded once from the float32 result, as a cast would). */
@@ -270,7 +256,7 @@ INLINE uint16_t narrow_one(float f) {
                     const int64_t *slots = table + rows[b] * width;                          \
                     const float f = blocked ? scale : 1.0f;                                  \
                     for (int64_t i = 0; i < group * dim; i++)                                \
-                        qs[i] = (bf16_io ? widen_one(((const uint16_t *)q_in)[at + i])       \
+                        qs[i] = (bf16_io ? from_bf16(((const bf16 *)q_in)[at + i])       \
                                          : ((const float *)q_in)[at + i]) * f;               \
                     if (blocked) {                                                           \
                         const vf *qv = (const vf *)qs;                                       \
@@ -289,7 +275,7 @@ INLINE uint16_t narrow_one(float f) {
                     }                                                                        \
                     if (bf16_io)                                                             \
                         for (int64_t i = 0; i < group * dim; i++)                            \
-                            ((uint16_t *)out_v)[at + i] = narrow_one(res[i]);                \
+                            ((bf16 *)out_v)[at + i] = to_bf16(res[i]);                \
                     else                                                                     \
                         memcpy((float *)out_v + at, res, sizeof(float) * (size_t)(group * dim)); \
                 }                                                                            \

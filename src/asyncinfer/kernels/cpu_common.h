@@ -7,6 +7,22 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+typedef uint16_t bf16;
+
+INLINE float from_bf16(bf16 x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+/* float32 to bfloat16, rounding to nearest even (NaN stays a quiet NaN), as torch does. */
+INLINE bf16 to_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if (f != f) return 0x7fc0;
+    return (bf16)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
 /* GCC's generic vector of 16 floats: one AVX-512 register, or two AVX2 ones. */
 typedef float vf __attribute__((vector_size(64)));
 

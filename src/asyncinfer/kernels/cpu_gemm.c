@@ -21,8 +21,6 @@
 
 #include "cpu_common.h"
 
-typedef uint16_t bf16;
-
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
 #include <sys/syscall.h>

@@ -16,22 +16,6 @@
 
 #include "cpu_common.h"
 
-typedef uint16_t bf16;
-
-INLINE float from_bf16(bf16 x) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-/* float32 to bfloat16, rounding to nearest even (NaN stays a quiet NaN), as torch does. */
-INLINE bf16 to_bf16(float f) {
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if (f != f) return 0x7fc0;
-    return (bf16)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
-
 /* The sum of squares of x[0..n) (n a multiple of 16), in a fixed order: sixteen lanes, then
  * the lanes summed as a tree. */
 INLINE float sum_squares(const float *x, int64_t n) {
