@@ -119,10 +119,10 @@ class NativeKernels:
     # bfloat16 matrix products on AMX tiles (cpu_gemm.c says how).
 
     def amx_packs(self, weight: torch.Tensor) -> bool:
-        """Whether :meth:`amx_pack` takes ``weight`` [out, in]: bf16, both sizes multiples
-        of 32, on a build with AMX."""
+        """Whether :meth:`amx_pack` takes ``weight`` [out, in]: bf16, ``out`` a multiple of
+        16 and ``in`` of 32 (whole tiles), on a build with AMX."""
         return (self.amx and weight.dtype == torch.bfloat16 and weight.dim() == 2
-                and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0)
+                and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0)
 
     def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` [out, in] in the AMX tile layout, flat."""
