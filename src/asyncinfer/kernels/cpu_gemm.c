@@ -8,8 +8,12 @@
  * each step of k, the block's weight tile is loaded once and multiplied by up to four tiles
  * of 16 rows of x into four accumulator tiles. Decode-sized products (tens of rows) are
  * limited by the weights' read: every row takes its share of each tile as it streams by,
- * with the stream prefetched ahead, so the unit's arithmetic hides in the read (oneDNN's
- * kernels for these shapes read at about a third of the memory's rate).
+ * with the stream prefetched ahead. One row runs at about three quarters of the memory's
+ * read rate, forty at about half (the tiles' work does not all hide behind the stream);
+ * oneDNN's kernels for these shapes read at about a third to half of it. Above a few
+ * hundred rows torch's path is faster (layers.linear switches there). Outputs are rounded
+ * by the CPU's bf16 conversion: to nearest even, as torch, but a float32 subnormal
+ * becomes zero.
  *
  * Built where the compiler targets AMX (-march of a CPU that has it); elsewhere
  * amx_linear_ready() returns 0 and the functions do nothing.
