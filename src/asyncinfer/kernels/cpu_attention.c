@@ -38,11 +38,7 @@ INLINE void load_f32(const float *src, float *dst, int64_t n) {
 
 INLINE void load_bf16(const uint16_t *src, float *dst, int64_t n) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-        union { uint32_t u; float f; } c;
-        c.u = (uint32_t)src[i] << 16;
-        dst[i] = c.f;
-    }
+    for (int64_t i = 0; i < n; i++) dst[i] = from_bf16(src[i]);
 }
 
 /* The softmax of each head's scores [group][len], in place. */
@@ -256,7 +252,7 @@ INLINE void *scratch(size_t bytes) {
                     const int64_t *slots = table + rows[b] * width;                          \
                     const float f = blocked ? scale : 1.0f;                                  \
                     for (int64_t i = 0; i < group * dim; i++)                                \
-                        qs[i] = (bf16_io ? from_bf16(((const bf16 *)q_in)[at + i])       \
+                        qs[i] = (bf16_io ? from_bf16(((const bf16 *)q_in)[at + i])           \
                                          : ((const float *)q_in)[at + i]) * f;               \
                     if (blocked) {                                                           \
                         const vf *qv = (const vf *)qs;                                       \
@@ -275,9 +271,10 @@ INLINE void *scratch(size_t bytes) {
                     }                                                                        \
                     if (bf16_io)                                                             \
                         for (int64_t i = 0; i < group * dim; i++)                            \
-                            ((bf16 *)out_v)[at + i] = to_bf16(res[i]);                \
+                            ((bf16 *)out_v)[at + i] = to_bf16(res[i]);                       \
                     else                                                                     \
-                        memcpy((float *)out_v + at, res, sizeof(float) * (size_t)(group * dim)); \
+                        memcpy((float *)out_v + at, res,                                     \
+                               sizeof(float) * (size_t)(group * dim));                       \
                 }                                                                            \
             }                                                                                \
             free(scores);                                                                    \

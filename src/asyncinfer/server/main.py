@@ -9,10 +9,10 @@ through an :class:`~asyncinfer.ipc.client.EngineClient`.
 Stopping: SIGTERM or SIGINT drains every front (see :func:`asyncinfer.server.app.drain`: it
 stops admitting, lets requests in flight finish for ``--shutdown-timeout`` seconds, ends the
 rest), then stops the core, and exits 0. A signal that comes while the core is still
-loading stops it and exits 0; one that comes before a front's event loop watches for signals
-is kept, and that front stops as soon as it is up. If the core dies, every front answers 503 to what
-is open and what comes, and exits non-zero; if a front dies, the server stops. A process
-whose server process is gone stops too, so none is left behind.
+loading stops it and exits 0; one that comes before a front's event loop watches for
+signals is kept, and that front stops as soon as it is up. If the core dies, every front
+answers 503 to what is open and what comes, and exits non-zero; if a front dies, the
+server stops. A process whose server process is gone stops too, so none is left behind.
 """
 
 from __future__ import annotations
