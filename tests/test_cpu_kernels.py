@@ -376,3 +376,6 @@ def test_the_engine_multiplies_on_amx_where_the_cpu_has_it(smollm2_dir) -> None:
     assert (head is not None) == can_pack(torch.bfloat16)
     if head is not None:
         assert (head.kernels is not None) == amx
+    if amx:  # the AMX copies share one slab of huge pages
+        bases = {m.packed.data.untyped_storage().data_ptr() for m in linears if m.packed}
+        assert len(bases) == 1

@@ -124,11 +124,14 @@ class NativeKernels:
         return (self.amx and weight.dtype == torch.bfloat16 and weight.dim() == 2
                 and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0)
 
-    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` [out, in] in the AMX tile layout, flat."""
+    def amx_pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight`` [out, in] in the AMX tile layout, flat: into ``out`` (as many bf16
+        elements, contiguous) where given."""
         assert self.amx_packs(weight)
         weight = weight.detach().contiguous()
-        packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        packed = torch.empty(weight.numel(), dtype=torch.bfloat16) if out is None else out
+        assert packed.dtype == torch.bfloat16 and packed.numel() == weight.numel()
+        assert packed.is_contiguous()
         self._amx_pack(weight.data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
         return packed
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from asyncinfer.memory import empty_huge
+
 
 class KVPool:
     """K and V for every layer, as ``num_pages * page_size`` token slots of
@@ -16,8 +18,12 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if device.type == "cpu":  # read end to end by every decode step: huge pages
+            self.k = empty_huge(shape, dtype).zero_()
+            self.v = empty_huge(shape, dtype).zero_()
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

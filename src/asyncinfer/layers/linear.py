@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 if TYPE_CHECKING:
     from asyncinfer.kernels.cpu import NativeKernels
+    from asyncinfer.memory import Slab
 
 PACKED_ROWS = 512
 """Products of at most this many rows use the packed weight (see the module docstring)."""
@@ -51,13 +52,14 @@ class Linear(nn.Module):
         self.shadow = (self.weight.detach().float(), bias)
 
     def pack_for_cpu(self, rows_hint: int, keep_plain: bool = True,
-                     amx: NativeKernels | None = None) -> None:
+                     amx: NativeKernels | None = None, slab: Slab | None = None) -> None:
         """Multiply through a packed copy of the weight from now on (a CPU with native
         half-precision units; call after the weights are final): for ``amx``'s kernel where
         it takes the weight, else oneDNN's. ``rows_hint``: the row count oneDNN picks its
         blocking for (any count still works). Without ``keep_plain`` the plain weight's
-        memory is given back and the packed copy takes products of any size."""
-        self.packed = pack_weight(self.weight, rows_hint, amx)
+        memory is given back and the packed copy takes products of any size. ``slab``:
+        where an AMX copy goes (``pack_weight``)."""
+        self.packed = pack_weight(self.weight, rows_hint, amx, slab)
         self.packed_rows = PACKED_ROWS
         if not keep_plain:
             self.packed_rows = None
@@ -125,12 +127,14 @@ class PackedWeight:
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def pack_weight(weight: torch.Tensor, rows_hint: int,
-                amx: NativeKernels | None = None) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, rows_hint: int, amx: NativeKernels | None = None,
+                slab: Slab | None = None) -> PackedWeight:
     """``weight`` [out, in] packed once (see the module docstring): for ``amx``'s kernel
-    where it takes the weight, else in oneDNN's layout for ``rows_hint`` rows."""
+    where it takes the weight (into the next slice of ``slab`` where given), else in
+    oneDNN's layout for ``rows_hint`` rows."""
     if amx is not None and amx.amx_packs(weight):
-        return PackedWeight(amx.amx_pack(weight), weight.shape[0], amx)
+        out = None if slab is None else slab.take(weight.numel(), torch.bfloat16)
+        return PackedWeight(amx.amx_pack(weight, out), weight.shape[0], amx)
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint),
                         weight.shape[0])
 

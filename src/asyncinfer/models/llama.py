@@ -31,6 +31,7 @@ from asyncinfer.layers.linear import (
 )
 from asyncinfer.layers.norm import RMSNorm
 from asyncinfer.layers.rotary import RotaryEmbedding, RotaryTables
+from asyncinfer.memory import Slab
 from asyncinfer.models.weights import ZEROS, Part
 
 if TYPE_CHECKING:
@@ -199,10 +200,17 @@ class LlamaForCausalLM(nn.Module):
         packed copy)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         keep = keeps_both_copies(sum(m.weight.nbytes for m in linears))
-        for module in linears:
-            module.pack_for_cpu(rows_hint, keep_plain=keep, amx=amx)
+        # The AMX copies side by side in huge pages: a decode step streams them all.
+        weights: list[torch.Tensor] = [m.weight for m in linears]
         if self.lm_head is None:
-            self.tied_packed = pack_weight(self.embed_tokens.weight, rows_hint, amx)
+            weights.append(self.embed_tokens.weight)
+        sizes = [(w.numel(), torch.bfloat16) for w in weights
+                 if amx is not None and amx.amx_packs(w)]
+        slab = Slab(sizes) if sizes else None
+        for module in linears:
+            module.pack_for_cpu(rows_hint, keep_plain=keep, amx=amx, slab=slab)
+        if self.lm_head is None:
+            self.tied_packed = pack_weight(self.embed_tokens.weight, rows_hint, amx, slab)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (transformers' names) into the fused parameters; under
