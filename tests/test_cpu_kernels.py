@@ -254,7 +254,8 @@ def test_the_bf16_engine_on_the_kernels_is_as_close_to_fp32_transformers_as_torc
         smollm2_dir, plain_copy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 with the CPU kernels (decode attention, layer ops, and packed weights where
     oneDNN has native bf16: beside the plain ones, or alone as when memory is short)
-    against the same engine on torch's ops, both measured against transformers in
+    against the same engine on torch's ops (prompts through the AMX prefill attention
+    where it builds), both measured against transformers in
     float32: the kernels' logits are no further from it. (Greedy tokens cannot be
     compared: bf16 rounding flips near-ties either way.)"""
     import random
@@ -276,7 +277,12 @@ def test_the_bf16_engine_on_the_kernels_is_as_close_to_fp32_transformers_as_torc
     for cpu_kernels in (True, False):
         runner, logits = _bf16_decode_logits(smollm2_dir, seqs, cpu_kernels)
         uses = isinstance(getattr(runner.model.ops.silu_mul, "__self__", None), NativeKernels)
-        assert uses == (cpu_kernels and native.load() is not None)
+        kernels = native.load()
+        assert uses == (cpu_kernels and kernels is not None)
+        # Prompts take the AMX prefill kernel where it builds (SmolLM2: 9 heads of 64 on 3).
+        assert runner.backend.native_prefill == (
+            cpu_kernels and kernels is not None
+            and kernels.runs_prefill(torch.bfloat16, 9, 3, 64))
         down = runner.model.layers[0].mlp.down_proj
         assert (down.weight.numel() == 0) == (not plain_copy and can_pack(torch.bfloat16))
         errors.append(((logits - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item())
@@ -379,3 +385,77 @@ def test_the_engine_multiplies_on_amx_where_the_cpu_has_it(smollm2_dir) -> None:
     if amx:  # the AMX copies share one slab of huge pages
         bases = {m.packed.data.untyped_storage().data_ptr() for m in linears if m.packed}
         assert len(bases) == 1
+
+
+# ---- prefill attention on AMX tiles against torch's SDPA ----
+
+def _prefill_kernels() -> native.NativeKernels:
+    kernels = _build("native")
+    if not kernels.runs_prefill(torch.bfloat16, 8, 4, 64):
+        pytest.skip("no AMX tile units and AVX512-BF16 here")
+    return kernels
+
+
+def _prefill_case(starts: list[int], news: list[int], heads: int, kv_heads: int, dim: int,
+                  page: int = 16, seed: int = 0):
+    """A pool of scattered pages holding each request's prefix and new tokens, and the
+    requests' queries one after another, as the torch backend hands them over."""
+    gen = torch.Generator().manual_seed(seed)
+    ends = [s + n for s, n in zip(starts, news)]
+    counts = [-(-e // page) for e in ends]
+    ids = torch.randperm(sum(counts) + 3, generator=gen)
+    size = (len(ids) * page, kv_heads, dim)
+    k = torch.randn(size, generator=gen).bfloat16()
+    v = torch.randn(size, generator=gen).bfloat16()
+    slots, at = [], 0
+    for end, count in zip(ends, counts):
+        pages = ids[at:at + count]
+        at += count
+        slots.append((pages[:, None] * page + torch.arange(page)).flatten()[:end])
+    q = torch.randn(sum(news), heads, dim, generator=gen).bfloat16()
+    index = (torch.cat(slots), torch.tensor([0, *ends[:-1]]).cumsum(0),
+             torch.tensor([0, *news[:-1]]).cumsum(0), torch.tensor(starts), torch.tensor(news))
+    return q, k, v, slots, index
+
+
+def _sdpa_prefill(q, k, v, slots, starts, news, scale, dtype):
+    outs, lo = [], 0
+    for sl, start, n in zip(slots, starts, news):
+        qr = q[lo:lo + n].transpose(0, 1)[None].to(dtype)
+        lo += n
+        kr, vr = (t[sl].transpose(0, 1)[None].to(dtype) for t in (k, v))
+        mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+        outs.append(F.scaled_dot_product_attention(
+            qr, kr, vr, attn_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 128), (4, 4, 32)])
+@pytest.mark.parametrize("page", [16, 8])
+def test_prefill_attention_is_as_close_to_float32_as_torchs_bf16_sdpa(
+        heads: int, kv_heads: int, dim: int, page: int) -> None:
+    """Prompts with nothing cached and with cached prefixes, of lengths around the 16- and
+    32-key blocks, over pages of 16 (keys read in place) and of 8 (copied first): against
+    float32 SDPA, no further off than torch's bf16 SDPA, which rounds the same way (bf16
+    probabilities, float32 sums)."""
+    kernels = _prefill_kernels()
+    starts, news = [0, 5, 40, 0, 16, 0], [70, 3, 100, 1, 17, 300]
+    q, k, v, slots, index = _prefill_case(starts, news, heads, kv_heads, dim, page)
+    scale = dim**-0.5
+    out = kernels.prefill_attention(q, k, v, *index, scale)
+    exact = _sdpa_prefill(q, k, v, slots, starts, news, scale, torch.float32)
+    torch_bf16 = _sdpa_prefill(q, k, v, slots, starts, news, scale, torch.bfloat16).float()
+    ours, theirs = (out.float() - exact).abs(), (torch_bf16 - exact).abs()
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert ours.max() <= 1.25 * theirs.max() and ours.mean() <= 1.05 * theirs.mean()
+
+
+def test_prefill_attention_of_a_request_does_not_depend_on_the_batch() -> None:
+    kernels = _prefill_kernels()
+    starts, news = [0, 21, 7], [45, 30, 1]
+    q, k, v, slots, (flat, slot_at, q_at, st, nw) = _prefill_case(starts, news, 8, 4, 64)
+    together = kernels.prefill_attention(q, k, v, flat, slot_at, q_at, st, nw, 0.125)
+    alone = kernels.prefill_attention(
+        q[45:75], k, v, slots[1], torch.tensor([0]), torch.tensor([0]), torch.tensor([21]),
+        torch.tensor([30]), 0.125)
+    assert torch.equal(alone, together[45:75])

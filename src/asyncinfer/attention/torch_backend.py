@@ -4,7 +4,8 @@ It runs on any device and dtype. Its plan reads the host page table and uploads 
 each request attends to (without blocking on CUDA). On a CPU, decode batches run a kernel
 compiled for this CPU (``kernels.cpu``) that reads K and V in place through the page
 table, when it builds: gathering every request's whole prefix each step cost more than the
-attention itself.
+attention itself. Prefill and mixed batches over a bf16 pool take the kernels' AMX prefill
+attention where the CPU has AMX (all requests in one call, K and V read in place too).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class TorchMetadata:
     starts: list[int]
     decode_groups: list[DecodeGroup]      # when every request decodes
     native: NativeDecode | None = None    # when every request decodes, with the CPU kernel
+    prefill: NativePrefill | None = None  # prefill and mixed batches, with the CPU kernel
 
 
 @define
@@ -45,6 +47,19 @@ class NativeDecode:
     rows: torch.Tensor                    # [n] int64: 0 .. n-1, rows of ``table``
     lens: torch.Tensor                    # [n] int64: positions 0 .. len attended
     max_len: int
+
+
+@define
+class NativePrefill:
+    """A prefill or mixed batch for the CPU's AMX kernel: every request's slots of
+    positions [0, end) one after another, and where each request's run of them, its new
+    tokens' rows, its cached length and its new tokens' count are."""
+
+    slots: torch.Tensor                   # [sum of ends] int64
+    slot_at: torch.Tensor                 # [n] int64
+    q_at: torch.Tensor                    # [n] int64
+    starts: torch.Tensor                  # [n] int64
+    news: torch.Tensor                    # [n] int64
 
 
 @define
@@ -75,12 +90,15 @@ class TorchBackend:
         self.device = spec.device
         self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
         self.native = None
+        self.native_prefill = False
         if spec.native and spec.device.type == "cpu":
             from asyncinfer.kernels.cpu import load
 
             kernels = load()
             if kernels is not None and kernels.supports(spec.pool.k.dtype):
                 self.native = kernels
+                self.native_prefill = kernels.runs_prefill(
+                    spec.pool.k.dtype, spec.num_heads, spec.pool.k.shape[2], spec.head_dim)
 
     @classmethod
     def check(cls, device: torch.device, dtype: torch.dtype) -> None:
@@ -105,7 +123,15 @@ class TorchBackend:
         ends = list(batch.ends)
         slots = upload(torch.cat([self.page_table[r, :e] for r, e in zip(batch.rows, ends)]),
                        self.device)
-        return TorchMetadata(out_loc, list(slots.split(ends)), bounds, list(batch.starts), [])
+        prefill = None
+        if self.native_prefill:
+            slot_at = list(itertools.accumulate(ends, initial=0))[:-1]
+            prefill = NativePrefill(slots, torch.tensor(slot_at),
+                                    torch.tensor([lo for lo, _ in bounds]),
+                                    torch.tensor(list(batch.starts)),
+                                    torch.tensor(list(batch.extend_lens)))
+        return TorchMetadata(out_loc, list(slots.split(ends)), bounds, list(batch.starts), [],
+                             prefill=prefill)
 
     def _decode_groups(self, batch: Batch) -> list[DecodeGroup]:
         # Padding every request to the longest wastes attention on short ones: requests are
@@ -156,6 +182,13 @@ class TorchBackend:
             out = self.native.decode_attention(
                 q, k_pool, v_pool, meta.native.table, meta.native.rows, meta.native.lens,
                 self.scale, meta.native.max_len)
+            return out.view(q.shape[0], -1).to(out_dtype)
+        if meta.prefill is not None:
+            assert self.native is not None
+            p = meta.prefill
+            out = self.native.prefill_attention(q.to(dtype), k_pool, v_pool, p.slots,
+                                                p.slot_at, p.q_at, p.starts, p.news,
+                                                self.scale)
             return out.view(q.shape[0], -1).to(out_dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if meta.decode_groups:

@@ -1,8 +1,8 @@
 """CPU kernels of our own, compiled for this CPU at first use: decode attention over the
 paged KV cache (``cpu_attention.c``, for the torch attention backend), the elementwise work
-between a layer's matrix products (``cpu_layer_ops.c``, for layers.fused), and bfloat16
-matrix products on AMX tile units where the CPU has them (``cpu_gemm.c``, for
-layers.linear).
+between a layer's matrix products (``cpu_layer_ops.c``, for layers.fused), and, where the
+CPU has AMX tile units, bfloat16 matrix products (``cpu_gemm.c``, for layers.linear) and
+prefill attention (``cpu_prefill.c``, for the torch attention backend).
 
 The sources are compiled once per CPU kind with the system's C compiler (``$CC``, else
 ``cc``) and ``-march=native``, so an AVX2-only CPU and an AVX-512 one each get code for
@@ -34,7 +34,7 @@ from asyncinfer.cache import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_attention.c", "cpu_layer_ops.c", "cpu_gemm.c")]
+           for name in ("cpu_attention.c", "cpu_layer_ops.c", "cpu_gemm.c", "cpu_prefill.c")]
 HEADERS = [Path(__file__).with_name("cpu_common.h")]
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-std=c11", "-ffp-contract=fast", "-Wno-psabi"]
@@ -46,6 +46,8 @@ _GEMM_ARGS = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT]
 _NORM_ARGS = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _INT]
 _SILU_ARGS = [_PTR, _I64, _I64, _PTR, _INT]
 _ARGMAX_ARGS = [_PTR, _I64, _I64, _PTR, _INT]
+_PREFILL_ARGS = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
+                 _I64, _F32, _PTR, _INT]
 _ROPE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
               _PTR, _PTR, _INT, _INT]
 
@@ -83,6 +85,10 @@ class NativeKernels:
         self.amx = bool(ready())
         """Whether this build multiplies on AMX tiles (the CPU has them, the compiler
         targets them and the kernel lets the process use them)."""
+        self._prefill = self._bind("prefill_attention_bf16", _PREFILL_ARGS)
+        built = self._lib.prefill_attention_built
+        built.argtypes, built.restype = [], _INT
+        self._prefill_built = self.amx and bool(built())
 
     def _bind(self, name: str, args: list[Any]) -> Any:
         fn = getattr(self._lib, name)
@@ -114,6 +120,38 @@ class NativeKernels:
             table.shape[1], rows.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, heads,
             kv_heads, dim, scale, max_len, int(q.dtype == torch.bfloat16),
             torch.get_num_threads())
+        return out
+
+    # Prefill attention on AMX tiles (cpu_prefill.c says how).
+
+    def runs_prefill(self, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
+        """Whether :meth:`prefill_attention` takes a bf16 pool of these shapes: built with
+        AMX and AVX512-BF16, head sizes a multiple of 32 up to 128."""
+        return (self._prefill_built and dtype == torch.bfloat16 and heads % kv_heads == 0
+                and dim % 32 == 0 and dim <= 128)
+
+    def prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                          slots: torch.Tensor, slot_at: torch.Tensor, q_at: torch.Tensor,
+                          starts: torch.Tensor, news: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+        """Causal attention of each request's new tokens over its whole prefix: request
+        ``r``'s queries are rows ``q_at[r] .. q_at[r] + news[r]`` of ``q`` [tokens, heads,
+        dim] (bf16, rows may have a stride), at positions ``starts[r]`` on; its keys and
+        values are at ``slots[slot_at[r] .. slot_at[r] + starts[r] + news[r]]`` of one
+        layer's pools [slots, kv_heads, dim] (bf16, holding the new tokens' too). The
+        output has q's shape, contiguous; rows of no request are left unwritten."""
+        tokens, heads, dim = q.shape
+        kv_heads = k_pool.shape[1]
+        assert self.runs_prefill(k_pool.dtype, heads, kv_heads, dim)
+        assert q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == dim
+        assert k_pool.is_contiguous() and v_pool.is_contiguous() and v_pool.dtype == k_pool.dtype
+        index = (slots, slot_at, q_at, starts, news)
+        assert all(t.dtype == torch.int64 and t.is_contiguous() for t in index)
+        out = torch.empty(tokens, heads, dim, dtype=torch.bfloat16)
+        self._prefill(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+                      k_pool.shape[0], slots.data_ptr(), slot_at.data_ptr(), q_at.data_ptr(),
+                      starts.data_ptr(), news.data_ptr(), starts.numel(), heads, kv_heads, dim,
+                      scale, out.data_ptr(), torch.get_num_threads())
         return out
 
     # bfloat16 matrix products on AMX tiles (cpu_gemm.c says how).
