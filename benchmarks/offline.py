@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -77,24 +78,37 @@ def main(args: argparse.Namespace) -> int:
                                **engine_options(args)}
     model_dir = resolve_model(options.pop("model", None))
     config = EngineConfig(**options)  # the options in full, checked before any model loads
-    results = [run_offline(str(model_dir), options, prompts, max_tokens, 0.0)]
-    print(json.dumps(results[-1]), flush=True)
-    if "transformers" in args.peers:
-        results.append(run_transformers_static(model_dir, prompts, max_tokens,
-                                               config.torch_dtype))
-        print(json.dumps(results[-1]), flush=True)
-    if "vllm" in args.peers and args.vllm_python:
-        results.append(run_vllm(args.vllm_python, model_dir, config.dtype))
-        print(json.dumps(results[-1]), flush=True)
+    # Each round runs our engine, then each peer: a ratio is taken within a round, so a
+    # machine whose speed drifts (a shared host's) moves both sides of it alike.
+    results: list[dict[str, Any]] = []
+    for round_ in range(args.rounds):
+        ours = run_offline(str(model_dir), options, prompts, max_tokens, 0.0)
+        this = [ours]
+        if "transformers" in args.peers:
+            this.append(run_transformers_static(model_dir, prompts, max_tokens,
+                                                config.torch_dtype))
+        if "vllm" in args.peers and args.vllm_python:
+            this.append(run_vllm(args.vllm_python, model_dir, config.dtype))
+        for r in this:
+            r["round"] = round_
+            r["asyncinfer_is"] = round(ours["tokens_per_s"] / r["tokens_per_s"], 3)
+            print(json.dumps(r), flush=True)
+        results.extend(this)
+    ratios = {r["engine"]: statistics.median(x["asyncinfer_is"] for x in results
+                                             if x["engine"] == r["engine"])
+              for r in results if r["engine"] != "asyncinfer"}
     report = {"benchmark": f"offline-{args.workload}", "model": model_dir.name,
               "dtype": config.dtype, "device": config.device, "requests": len(prompts),
               "output_tokens": sum(max_tokens), "threads": torch.get_num_threads(),
-              "machine": machine(),
-              "torch": torch.__version__, "commit": git_commit(), "results": results}
-    ours = results[0]["tokens_per_s"]
+              "machine": machine(), "rounds": args.rounds,
+              "torch": torch.__version__, "commit": git_commit(), "results": results,
+              "median_ratio": ratios}
     for r in results:
-        print(f"{r['engine']:<45} {r['tokens']:>7} tok  {r['seconds']:>8.1f} s  "
-              f"{r['tokens_per_s']:>8.1f} tok/s  (asyncinfer: {ours / r['tokens_per_s']:.2f}x)")
+        print(f"round {r['round']}  {r['engine']:<45} {r['tokens']:>7} tok  "
+              f"{r['seconds']:>8.1f} s  {r['tokens_per_s']:>8.1f} tok/s  "
+              f"(asyncinfer: {r['asyncinfer_is']:.2f}x)")
+    for engine, ratio in ratios.items():
+        print(f"asyncinfer against {engine}: {ratio:.2f}x (median of {args.rounds} rounds)")
     write_report(args.json, report)
     return 0
 
@@ -125,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="comma-separated peers to run beside us ('' for none)")
     parser.add_argument("--vllm-python", default=None,
                          help="python of a venv with vLLM (benchmarks/setup_vllm_cpu.sh makes one)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="cpu: run our engine and the peers this many times in turn; "
+                             "the ratio reported is the median of the rounds'")
     parser.add_argument("--json", default=None, help="write the results to this file")
     add_engine_arguments(parser, title="engine options", defaults_here=DEFAULTS_HERE)
     return parser
