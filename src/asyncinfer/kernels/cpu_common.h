@@ -23,6 +23,29 @@ INLINE bf16 to_bf16(float f) {
     return (bf16)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
 
+#if defined(__AMX_TILE__)
+#include <immintrin.h>
+#include <string.h>
+
+/* Configures this thread's AMX tiles as the kernels use them: eight tiles (palette 1) of 16
+ * rows by 64 bytes (16 bf16 pairs, or 16 floats, a row). */
+INLINE void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row;
+        uint8_t reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+#endif
+
 /* GCC's generic vector of 16 floats: one AVX-512 register, or two AVX2 ones. */
 typedef float vf __attribute__((vector_size(64)));
 

@@ -39,24 +39,7 @@ int amx_linear_ready(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Eight tiles of 16 rows by 64 bytes: 0-3 accumulators, 4-6 x, 7 W. */
-INLINE void configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    _tile_loadconfig(&c);
-}
+/* The tiles (amx_configure): 0-3 accumulators, 4-6 x, 7 W. */
 
 /* packed [n / 16][k / 32][16][32]: the tile of (block, step) row r holds, for each of its 16
  * columns c, the pair W[16 block + c][32 step + 2 r + {0, 1}]. */
@@ -111,7 +94,7 @@ void amx_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *
     }
 #pragma omp parallel num_threads(threads)
     {
-        configure();
+        amx_configure();
         float *sums = aligned_alloc(64, sizeof(float) * 4 * 256);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t g = 0; g < groups; g++) {

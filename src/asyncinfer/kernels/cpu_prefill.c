@@ -39,25 +39,8 @@
 #define KB 16  /* keys a score tile */
 #define PB 32  /* keys a product with V */
 
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} pf_tile_config;
-
-/* Eight tiles of 16 rows by 64 bytes: 0-3 the O^T accumulators (16 dims each), 4 the
- * scores, 5 K or V^T, 6 Q^T or P^T. */
-INLINE void pf_configure(void) {
-    pf_tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    _tile_loadconfig(&c);
-}
+/* The tiles (amx_configure), in the second pass: 0-3 the O^T accumulators (16 dims each),
+ * 4 and 5 V^T, 6 and 7 P^T; the first pass's are said where it runs. */
 
 INLINE __m512 pf_exp(__m512 x) {
     float v[16], r[16];
@@ -151,7 +134,7 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_pool,
                 for (int64_t d = 0; d < dim; d++)
                     memset(dst + d * padded + end, 0, sizeof(bf16) * (size_t)(padded - end));
             }
-        pf_configure();
+        amx_configure();
         bf16 *qt = aligned_alloc(64, sizeof(bf16) * (size_t)(dim / 32 * 512));
         bf16 *kbuf = aligned_alloc(64, sizeof(bf16) * (size_t)(4 * KB * dim));
         bf16 *pt = aligned_alloc(64, sizeof(bf16) * 2 * 512);
