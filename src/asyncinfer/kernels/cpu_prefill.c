@@ -93,9 +93,10 @@ INLINE void pf_pair(__m512 even, __m512 odd, bf16 *row) {
     _mm512_storeu_si512((void *)row, _mm512_permutexvar_epi16(order, both));
 }
 
-/* q [tokens, heads, dim] (row stride ``q_stride`` elements), out the same, contiguous; pools [slots, kv_heads,
- * dim]; for each of ``requests`` requests: its slots of positions 0 .. starts + news at
- * slots + slot_at[r], its new tokens at rows q_at[r] .. q_at[r] + news[r] of q. */
+/* q [tokens, heads, dim] (row stride ``q_stride`` elements), out the same, contiguous;
+ * pools [slots, kv_heads, dim]; for each of ``requests`` requests: its slots of positions
+ * 0 .. starts + news at slots + slot_at[r], its new tokens at rows q_at[r] .. q_at[r] +
+ * news[r] of q. */
 void prefill_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_pool,
                             const bf16 *v_pool, int64_t pool_slots, const int64_t *slots,
                             const int64_t *slot_at, const int64_t *q_at, const int64_t *starts,
@@ -106,18 +107,16 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_pool,
     /* V^T of each request and KV head: [dim][keys padded to PB], zeros past the prefix. */
     int64_t *vt_at = malloc(sizeof(int64_t) * (size_t)(requests + 1));
     int64_t *blocks_at = malloc(sizeof(int64_t) * (size_t)(requests + 1));
+    int64_t longest = 0; /* keys of the longest prefix, padded to four score tiles */
     vt_at[0] = blocks_at[0] = 0;
     for (int64_t r = 0; r < requests; r++) {
-        const int64_t padded = (starts[r] + news[r] + PB - 1) / PB * PB;
+        const int64_t end = starts[r] + news[r], padded = (end + PB - 1) / PB * PB;
+        const int64_t tiles = (end + 4 * KB - 1) / (4 * KB) * (4 * KB);
         vt_at[r + 1] = vt_at[r] + kv_heads * dim * padded;
         blocks_at[r + 1] = blocks_at[r] + (news[r] + QB - 1) / QB;
+        longest = tiles > longest ? tiles : longest;
     }
     bf16 *vt = aligned_alloc(64, sizeof(bf16) * (size_t)(vt_at[requests] + 32));
-    int64_t longest = 0; /* keys of the longest prefix, padded to four score tiles */
-    for (int64_t r = 0; r < requests; r++) {
-        const int64_t padded = (starts[r] + news[r] + 4 * KB - 1) / (4 * KB) * (4 * KB);
-        longest = padded > longest ? padded : longest;
-    }
     const int64_t tasks = blocks_at[requests] * heads;
 #pragma omp parallel num_threads(threads)
     {
@@ -243,16 +242,34 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_pool,
                         _tile_loadd(6, ptb, 64);
                         _tile_loadd(4, vb, vs);
                         _tile_dpbf16ps(0, 4, 6);
-                        if (dtiles > 1) { _tile_loadd(5, vb + 16 * padded, vs); _tile_dpbf16ps(1, 5, 6); }
-                        if (dtiles > 2) { _tile_loadd(4, vb + 32 * padded, vs); _tile_dpbf16ps(2, 4, 6); }
-                        if (dtiles > 3) { _tile_loadd(5, vb + 48 * padded, vs); _tile_dpbf16ps(3, 5, 6); }
+                        if (dtiles > 1) {
+                            _tile_loadd(5, vb + 16 * padded, vs);
+                            _tile_dpbf16ps(1, 5, 6);
+                        }
+                        if (dtiles > 2) {
+                            _tile_loadd(4, vb + 32 * padded, vs);
+                            _tile_dpbf16ps(2, 4, 6);
+                        }
+                        if (dtiles > 3) {
+                            _tile_loadd(5, vb + 48 * padded, vs);
+                            _tile_dpbf16ps(3, 5, 6);
+                        }
                     } else {
                         _tile_loadd(7, ptb, 64);
                         _tile_loadd(4, vb, vs);
                         _tile_dpbf16ps(0, 4, 7);
-                        if (dtiles > 1) { _tile_loadd(5, vb + 16 * padded, vs); _tile_dpbf16ps(1, 5, 7); }
-                        if (dtiles > 2) { _tile_loadd(4, vb + 32 * padded, vs); _tile_dpbf16ps(2, 4, 7); }
-                        if (dtiles > 3) { _tile_loadd(5, vb + 48 * padded, vs); _tile_dpbf16ps(3, 5, 7); }
+                        if (dtiles > 1) {
+                            _tile_loadd(5, vb + 16 * padded, vs);
+                            _tile_dpbf16ps(1, 5, 7);
+                        }
+                        if (dtiles > 2) {
+                            _tile_loadd(4, vb + 32 * padded, vs);
+                            _tile_dpbf16ps(2, 4, 7);
+                        }
+                        if (dtiles > 3) {
+                            _tile_loadd(5, vb + 48 * padded, vs);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
                     }
                 }
                 _tile_stored(0, ot, 64);
