@@ -54,7 +54,9 @@ def _rank(rank: int, world: int, port: int, model: str, options: dict[str, Any],
                 asyncio.run(follower.follow())
             except Exception as exc:
                 Path(out, f"rank{rank}.json").write_text(json.dumps({"error": str(exc)}))
-                raise
+                # As a launched rank ends (launch._rank_main): tearing the group down while
+                # a peer is leaving it too can abort inside gloo, so do not wait on it.
+                os._exit(1)
             runner = follower.runner
             Path(out, f"rank{rank}.json").write_text(json.dumps({"held": {
                 "heads": runner.shard_config.num_heads,
