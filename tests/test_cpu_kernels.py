@@ -339,29 +339,46 @@ def test_packed_weights_give_torchs_products_and_free_the_plain_copy_when_asked(
         assert _bf16_ulps(got, want) <= 1 and (got != want).float().mean() < 1e-3
 
 
-# ---- the AMX matrix product against torch's bf16 linear ----
+# ---- our matrix products (AMX tiles, or AVX-512 over widened weights) against torch ----
 
-@pytest.mark.parametrize("rows", [1, 17, 32, 33, 200])
+@pytest.mark.parametrize("rows", [1, 5, 17, 32, 33, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_linear_equals_torchs_bf16_linear(rows: int, bias: bool) -> None:
+def test_packed_linear_equals_torchs_bf16_linear(rows: int, bias: bool) -> None:
     """Both sum in float32 and round once: the same bf16 results but where the order of the
-    sums moves a value across a rounding boundary (one step, rarely)."""
+    sums moves a value across a rounding boundary (one step, rarely). Row counts cover a
+    partial tile (AMX) and partial steps of six rows (AVX-512)."""
     kernels = _build("native")
-    if not kernels.amx:
-        pytest.skip("no AMX tile units here")
+    if kernels.products is None:
+        pytest.skip("no AMX tile units or AVX-512 here")
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(80, 320, generator=gen).bfloat16()  # five blocks of 16 columns
     b = torch.randn(80, generator=gen).bfloat16() if bias else None
     # A view with a row stride, as the products' inputs sometimes are.
     x = torch.randn(rows, 400, generator=gen).bfloat16()[:, 40:360]
-    out = kernels.amx_linear(x, kernels.amx_pack(weight), 80, b)
+    out = kernels.linear(x, kernels.pack(weight), 80, b)
     _close_to_torch(out, F.linear(x, weight, b))
 
 
-def test_the_engine_multiplies_on_amx_where_the_cpu_has_it(smollm2_dir) -> None:
-    """Every decode-sized product of a bf16 engine goes through the AMX kernel where it
-    builds (the tied head included); elsewhere through oneDNN's packed weights, or torch's
-    where the CPU has no native bf16."""
+def test_the_avx512_product_rounds_as_torch_and_keeps_nan() -> None:
+    """The AVX-512 kernel's float32 sums, rounded to nearest even as torch rounds, NaN kept:
+    its results equal float32 products rounded by torch, bit for bit, on these inputs."""
+    kernels = _build("native")
+    if kernels.products != "avx512":
+        pytest.skip("the AVX-512 product runs on AVX-512 CPUs without AMX")
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 64, generator=gen).bfloat16()
+    x = torch.randn(13, 64, generator=gen).bfloat16()
+    x[4, 7] = float("nan")
+    out = kernels.linear(x, kernels.pack(weight), 96)
+    want = F.linear(x.float(), weight.float()).bfloat16()
+    assert out[4].isnan().all() and not out[torch.arange(13) != 4].isnan().any()
+    assert torch.equal(out[torch.arange(13) != 4], want[torch.arange(13) != 4])
+
+
+def test_the_engine_multiplies_on_our_kernels_where_the_cpu_has_them(smollm2_dir) -> None:
+    """Every decode-sized product of a bf16 engine goes through our product kernel where
+    one builds (the tied head included); elsewhere through oneDNN's packed weights, or
+    torch's where the CPU has no native bf16. The AVX-512 kernel takes every size."""
     from asyncinfer.config import EngineConfig
     from asyncinfer.engine.runner import ModelRunner
     from asyncinfer.layers.linear import Linear, can_pack
@@ -369,20 +386,21 @@ def test_the_engine_multiplies_on_amx_where_the_cpu_has_it(smollm2_dir) -> None:
     runner = ModelRunner(EngineConfig(dtype="bfloat16", max_running_requests=4,
                                       max_seq_len=128, num_pages=64), smollm2_dir)
     kernels = native.load()
-    amx = kernels is not None and kernels.amx
+    ours = kernels is not None and kernels.products is not None
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert linears
     for module in linears:
         packed = module.packed
         assert (packed is not None) == can_pack(torch.bfloat16)
         if packed is not None:
-            assert (packed.kernels is not None) == amx
-            assert (module.packed_rows is None) == (module.weight.numel() == 0)
+            assert (packed.kernels is not None) == ours
+            wide = ours and kernels.products == "avx512"
+            assert (module.packed_rows is None) == (module.weight.numel() == 0 or wide)
     head = runner.model.tied_packed  # SmolLM2 ties its head to the embedding
     assert (head is not None) == can_pack(torch.bfloat16)
     if head is not None:
-        assert (head.kernels is not None) == amx
-    if amx:  # the AMX copies share one slab of huge pages
+        assert (head.kernels is not None) == ours
+    if ours:  # our kernels' copies share one slab of huge pages
         bases = {m.packed.data.untyped_storage().data_ptr() for m in linears if m.packed}
         assert len(bases) == 1
 

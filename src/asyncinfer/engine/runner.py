@@ -222,9 +222,9 @@ class ModelRunner:
         if self.config.fp32_kernels:
             model.use_fp32_shadow()
         elif self.device.type == "cpu" and can_pack(self.dtype):
-            # Our AMX kernel for the products where it builds (see layers.linear).
+            # Our product kernel where one builds (see layers.linear).
             model.pack_for_cpu(self.config.max_running_requests,
-                               kernels if kernels is not None and kernels.amx else None)
+                               kernels if kernels is not None and kernels.products else None)
         return model
 
     def _pages_from_budget(self, extra_pages: int) -> int:

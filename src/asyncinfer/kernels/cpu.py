@@ -78,13 +78,20 @@ class NativeKernels:
         self._silu = self._bind("silu_mul_bf16", _SILU_ARGS)
         self._rope = self._bind("qk_norm_rope_store_bf16", _ROPE_ARGS)
         self._argmax = self._bind("argmax_rows_f32", _ARGMAX_ARGS)
-        self._amx_pack = self._bind("amx_pack_bf16", [_PTR, _I64, _I64, _PTR])
+        self._pack = self._bind("pack_bf16", [_PTR, _I64, _I64, _PTR])
         self._amx_linear = self._bind("amx_linear_bf16", _GEMM_ARGS)
+        self._wide_linear = self._bind("wide_linear_bf16", _GEMM_ARGS)
         ready = self._lib.amx_linear_ready
         ready.argtypes, ready.restype = [], _INT
         self.amx = bool(ready())
         """Whether this build multiplies on AMX tiles (the CPU has them, the compiler
         targets them and the kernel lets the process use them)."""
+        wide = self._lib.wide_linear_built
+        wide.argtypes, wide.restype = [], _INT
+        self.products: str | None = "amx" if self.amx else ("avx512" if wide() else None)
+        """Which of our kernels multiplies packed bf16 weights: "amx" (tile products),
+        "avx512" (bf16 weights widened to float32 in registers, float32 FMAs: an AVX-512
+        CPU without AMX), or None (torch's products)."""
         self._prefill = self._bind("prefill_attention_bf16", _PREFILL_ARGS)
         built = self._lib.prefill_attention_built
         built.argtypes, built.restype = [], _INT
@@ -154,38 +161,42 @@ class NativeKernels:
                       scale, out.data_ptr(), torch.get_num_threads())
         return out
 
-    # bfloat16 matrix products on AMX tiles (cpu_gemm.c says how).
+    # bfloat16 matrix products over packed weights (cpu_gemm.c says how).
 
-    def amx_packs(self, weight: torch.Tensor) -> bool:
-        """Whether :meth:`amx_pack` takes ``weight`` [out, in]: bf16, ``out`` a multiple of
-        16 and ``in`` of 32 (whole tiles), on a build with AMX."""
-        return (self.amx and weight.dtype == torch.bfloat16 and weight.dim() == 2
-                and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0)
+    def packs(self, weight: torch.Tensor) -> bool:
+        """Whether :meth:`pack` takes ``weight`` [out, in]: bf16, ``out`` a multiple of 16
+        and ``in`` of 32 (whole tiles), on a build with one of our product kernels."""
+        return (self.products is not None and weight.dtype == torch.bfloat16
+                and weight.dim() == 2 and weight.shape[0] % 16 == 0
+                and weight.shape[1] % 32 == 0)
 
-    def amx_pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``weight`` [out, in] in the AMX tile layout, flat: into ``out`` (as many bf16
-        elements, contiguous) where given."""
-        assert self.amx_packs(weight)
+    def pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight`` [out, in] in the AMX tile layout (which the AVX-512 kernel reads too),
+        flat: into ``out`` (as many bf16 elements, contiguous, 64-byte aligned) where
+        given."""
+        assert self.packs(weight)
         weight = weight.detach().contiguous()
-        packed = torch.empty(weight.numel(), dtype=torch.bfloat16) if out is None else out
+        packed = _aligned_empty(weight.numel()) if out is None else out
         assert packed.dtype == torch.bfloat16 and packed.numel() == weight.numel()
-        assert packed.is_contiguous()
-        self._amx_pack(weight.data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
+        assert packed.is_contiguous() and packed.data_ptr() % 64 == 0
+        self._pack(weight.data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
         return packed
 
-    def amx_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x Wᵀ + b`` for bf16 ``x`` [rows, in] (rows may have a stride) and W packed by
-        :meth:`amx_pack`: float32 sums, rounded once to bf16."""
+        :meth:`pack`: float32 sums, rounded once to bf16."""
         rows, k = x.shape
+        assert self.products is not None
         assert x.dtype == torch.bfloat16 and x.stride(1) == 1
         assert packed.numel() == out_features * k
         assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
         out = torch.empty(rows, out_features, dtype=torch.bfloat16)
         if rows:
-            self._amx_linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                             None if bias is None else bias.data_ptr(), rows, out_features, k,
-                             out.data_ptr(), torch.get_num_threads())
+            product = self._amx_linear if self.products == "amx" else self._wide_linear
+            product(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                    None if bias is None else bias.data_ptr(), rows, out_features, k,
+                    out.data_ptr(), torch.get_num_threads())
         return out
 
     # The elementwise work of a layer, bfloat16 activations only (layers.fused says what
@@ -258,6 +269,14 @@ class NativeKernels:
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax(logits.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
         return out
+
+
+def _aligned_empty(numel: int) -> torch.Tensor:
+    """``numel`` bf16 elements starting on a 64-byte boundary (the kernels load whole
+    vectors and tiles of the packed weights)."""
+    raw = torch.empty(numel + 32, dtype=torch.bfloat16)
+    skip = (-raw.data_ptr() % 64) // 2
+    return raw[skip : skip + numel]
 
 
 @functools.cache

@@ -8,14 +8,17 @@ rounded back — the arithmetic of a native bf16 GEMM, at float32 speed.
 On a CPU with those units ``pack_for_cpu`` keeps a packed copy of the weight too. Where
 the CPU has AMX tile units and our kernels build (``kernels.cpu``), the copy is in the tiles'
 own layout for our kernel, which streams the weights at decode sizes faster than oneDNN's
-kernels do for these shapes (about 1.6x at one row, 1.2x at forty). Otherwise it is in
-oneDNN's blocked layout: torch's own bf16 GEMM goes through oneDNN, but reorders the weight
-on every call, which at decode sizes (tens of rows) costs as much as the product; packed
-once, a decode step's products take about half the time, with the same results.
-Prefill-sized products (thousands of rows) are about a tenth faster through torch's path,
-which blocks for their size: ``PACKED_ROWS`` is where the forward switches. Both copies are
-kept where memory allows; otherwise the packed weight replaces the plain one and takes every
-product.
+kernels do for these shapes (about 1.6x at one row, 1.2x at forty). An AVX-512 CPU without
+AMX gets the same layout, for a kernel that widens the bf16 weights to float32 in registers
+and multiplies by float32 FMAs: on the one measured, bf16 dot products issue at a quarter of
+the FMAs' rate, so torch's bf16 products are slower than that at every size, and the copy
+takes every product. Otherwise the copy is in oneDNN's blocked layout: torch's own bf16
+GEMM goes through oneDNN, but reorders the weight on every call, which at decode sizes (tens
+of rows) costs as much as the product; packed once, a decode step's products take about
+half the time, with the same results. Prefill-sized products (thousands of rows) are about
+a tenth faster through torch's path, which blocks for their size: ``PACKED_ROWS`` is where
+the forward switches. Both copies are kept where memory allows; otherwise the packed weight
+replaces the plain one and takes every product.
 """
 
 from __future__ import annotations
@@ -52,15 +55,16 @@ class Linear(nn.Module):
         self.shadow = (self.weight.detach().float(), bias)
 
     def pack_for_cpu(self, rows_hint: int, keep_plain: bool = True,
-                     amx: NativeKernels | None = None, slab: Slab | None = None) -> None:
+                     kernels: NativeKernels | None = None, slab: Slab | None = None) -> None:
         """Multiply through a packed copy of the weight from now on (a CPU with native
-        half-precision units; call after the weights are final): for ``amx``'s kernel where
-        it takes the weight, else oneDNN's. ``rows_hint``: the row count oneDNN picks its
-        blocking for (any count still works). Without ``keep_plain`` the plain weight's
-        memory is given back and the packed copy takes products of any size. ``slab``:
-        where an AMX copy goes (``pack_weight``)."""
-        self.packed = pack_weight(self.weight, rows_hint, amx, slab)
-        self.packed_rows = PACKED_ROWS
+        half-precision units; call after the weights are final): for ``kernels``' product
+        where it takes the weight, else oneDNN's. ``rows_hint``: the row count oneDNN picks
+        its blocking for (any count still works). Without ``keep_plain`` the plain weight's
+        memory is given back and the packed copy takes products of any size (as the AVX-512
+        kernel's always does: it is the faster at every size). ``slab``: where our kernels'
+        copy goes (``pack_weight``)."""
+        self.packed = pack_weight(self.weight, rows_hint, kernels, slab)
+        self.packed_rows = None if self.packed.takes_all_rows else PACKED_ROWS
         if not keep_plain:
             self.packed_rows = None
             self.weight.data = self.weight.data.new_empty(0)
@@ -114,27 +118,33 @@ class PackedWeight:
     out_features: int
     kernels: NativeKernels | None = None
 
+    @property
+    def takes_all_rows(self) -> bool:
+        """Whether products of every size should come here: our AVX-512 kernel's, which
+        beats torch's bf16 products (that CPU's bf16 dot products are slow) at any size."""
+        return self.kernels is not None and self.kernels.products == "avx512"
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x Wᵀ + b``."""
         if self.kernels is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
         if x.dim() == 2 and x.stride(1) == 1:  # the model's products: no reshaping
-            return self.kernels.amx_linear(x, self.data, self.out_features, bias)
+            return self.kernels.linear(x, self.data, self.out_features, bias)
         flat = x.reshape(-1, x.shape[-1])
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        out = self.kernels.amx_linear(flat, self.data, self.out_features, bias)
+        out = self.kernels.linear(flat, self.data, self.out_features, bias)
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def pack_weight(weight: torch.Tensor, rows_hint: int, amx: NativeKernels | None = None,
+def pack_weight(weight: torch.Tensor, rows_hint: int, kernels: NativeKernels | None = None,
                 slab: Slab | None = None) -> PackedWeight:
-    """``weight`` [out, in] packed once (see the module docstring): for ``amx``'s kernel
+    """``weight`` [out, in] packed once (see the module docstring): for ``kernels``' product
     where it takes the weight (into the next slice of ``slab`` where given), else in
     oneDNN's layout for ``rows_hint`` rows."""
-    if amx is not None and amx.amx_packs(weight):
+    if kernels is not None and kernels.packs(weight):
         out = None if slab is None else slab.take(weight.numel(), torch.bfloat16)
-        return PackedWeight(amx.amx_pack(weight, out), weight.shape[0], amx)
+        return PackedWeight(kernels.pack(weight, out), weight.shape[0], kernels)
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint),
                         weight.shape[0])
 

@@ -193,24 +193,24 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.tied_shadow = self.embed_tokens.weight.detach().float()
 
-    def pack_for_cpu(self, rows_hint: int, amx: NativeKernels | None = None) -> None:
-        """Run the matrix products through packed weights (see layers.linear; for ``amx``'s
-        kernel where it takes them, else oneDNN's): beside the plain ones where memory
-        allows, else instead of them (the embedding stays: the tied head gets its own
-        packed copy)."""
+    def pack_for_cpu(self, rows_hint: int, kernels: NativeKernels | None = None) -> None:
+        """Run the matrix products through packed weights (see layers.linear; for
+        ``kernels``' product where it takes them, else oneDNN's): beside the plain ones
+        where memory allows, else instead of them (the embedding stays: the tied head gets
+        its own packed copy)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         keep = keeps_both_copies(sum(m.weight.nbytes for m in linears))
-        # The AMX copies side by side in huge pages: a decode step streams them all.
+        # Our kernels' copies side by side in huge pages: a decode step streams them all.
         weights: list[torch.Tensor] = [m.weight for m in linears]
         if self.lm_head is None:
             weights.append(self.embed_tokens.weight)
         sizes = [(w.numel(), torch.bfloat16) for w in weights
-                 if amx is not None and amx.amx_packs(w)]
+                 if kernels is not None and kernels.packs(w)]
         slab = Slab(sizes) if sizes else None
         for module in linears:
-            module.pack_for_cpu(rows_hint, keep_plain=keep, amx=amx, slab=slab)
+            module.pack_for_cpu(rows_hint, keep_plain=keep, kernels=kernels, slab=slab)
         if self.lm_head is None:
-            self.tied_packed = pack_weight(self.embed_tokens.weight, rows_hint, amx, slab)
+            self.tied_packed = pack_weight(self.embed_tokens.weight, rows_hint, kernels, slab)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (transformers' names) into the fused parameters; under
