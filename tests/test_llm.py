@@ -206,3 +206,45 @@ def test_progress_bar_refreshes_at_a_bounded_rate(
     # Without the bar nothing is printed and outputs are the same.
     assert [o.token_ids for o in llm.generate([[5, 6, 7, i] for i in range(8)], greedy(16),
                                                use_tqdm=False)] == [o.token_ids for o in outputs]
+
+
+def test_the_model_is_built_and_run_on_one_thread_of_its_own(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU, loading the weights and every batch run on one thread, not the caller's:
+    a second thread starting OpenMP regions would slow every region (see
+    api._compute_thread). A restarted engine runs on a new thread."""
+    import threading
+
+    from asyncinfer import api
+    from asyncinfer.engine.runner import ModelRunner
+
+    built: list[threading.Thread] = []  # the thread objects: an ident may be reused
+    ran: list[threading.Thread] = []
+    create = api.create_runner
+
+    def create_runner(*args, **kwargs):
+        built.append(threading.current_thread())
+        return create(*args, **kwargs)
+
+    forward = ModelRunner._forward_here
+
+    def forward_here(self, batch):
+        ran.append(threading.current_thread())
+        return forward(self, batch)
+
+    monkeypatch.setattr(api, "create_runner", create_runner)
+    monkeypatch.setattr(ModelRunner, "_forward_here", forward_here)
+    llm = LLM(str(tiny_llama_dir), skip_tokenizer_init=True, num_pages=64)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    first = llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)
+    assert all(len(o.token_ids) == 3 for o in first)
+    assert len(built) == 1 and built[0] is not threading.current_thread()
+    assert ran and set(ran) == set(built)
+    llm._loop.run_until_complete(llm.engine.close())  # stopped; the next call starts again
+    ran.clear()
+    again = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert again[0].token_ids == first[0].token_ids
+    assert ran and len(set(ran)) == 1 and set(ran) != set(built)
+    llm.close()
+    names = {t.name for t in threading.enumerate()}
+    assert not any(n.startswith("asyncinfer-compute") for n in names)

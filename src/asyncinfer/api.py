@@ -11,6 +11,8 @@ import logging
 import pickle
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +79,16 @@ class AsyncEngine:
         # the others, which load their parts of the model while this one loads its own.
         self._ranks = (_launch_ranks(self.config, model_dir, instance)
                        if _needs_ranks(self.config) else None)
+        # One thread does the model's CPU work, building it included, and then every batch
+        # (see _compute_thread).
+        self._compute: ThreadPoolExecutor | None = _compute_thread()
         try:
-            self.runner = create_runner(self.config, model_dir)
+            build = partial(create_runner, self.config, model_dir)
+            # On CUDA the current device is per thread: build where the loop's own calls
+            # (and those of the code around it) see it.
+            self.runner = build() if self.config.is_cuda else self._compute.submit(build).result()
         except BaseException:
+            self._compute.shutdown()
             self._stop_ranks(failed=True)
             raise
         self.context_len = self.runner.context_len
@@ -104,8 +113,12 @@ class AsyncEngine:
     async def start(self) -> None:
         """Start the coordinator on the running event loop."""
         if self._coordinator is None:
+            # The coordinator runs the batches on the thread that built the model, and
+            # ends it when it stops (a later start gets a new one).
+            compute, self._compute = self._compute or _compute_thread(), None
             self._coordinator = Coordinator(self.scheduler, self.runner.launch, self.overlap,
-                                            self.runner.synchronize, self.sync)
+                                            self.runner.synchronize, self.sync,
+                                            executor=compute)
             self._coordinator.start()
 
     async def follow(self) -> None:
@@ -127,6 +140,9 @@ class AsyncEngine:
         An engine that froze the heap (``freeze_gc``) unfreezes it, all of it: the runner
         sits in reference cycles, and frozen, its KV pool could never be collected."""
         failed = False
+        if self._compute is not None:  # never started
+            self._compute.shutdown()
+            self._compute = None
         if self._coordinator is not None:
             failed = self._coordinator.failed
             await self._coordinator.stop()
@@ -248,6 +264,20 @@ class AsyncEngine:
         loop (None stops it): how a benchmark sees the host's and the device's share."""
         assert self._coordinator is not None, "the engine has not started"
         self._coordinator.observer = observer
+
+
+def _compute_thread() -> ThreadPoolExecutor:
+    """The thread an engine's model work runs on: loading and packing the weights, then
+    every batch.
+
+    OpenMP gives each thread that starts parallel regions a team of workers of its own.
+    Once a process has two such teams on a machine with no more cores than their threads,
+    libgomp stops spinning its workers between regions, and every region (torch's ops and
+    our kernels alike, dozens a layer) pays for waking them: measured on 2 cores, a decode
+    step's small kernels took 0.1 ms each instead of 0.015, and the CPU offline workload
+    ran a fifth slower. Building the model on the thread that later runs it keeps one team.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-compute")
 
 
 class LLM:

@@ -79,7 +79,8 @@ class Coordinator:
     def __init__(self, scheduler: Scheduler,
                  launch: Callable[[Batch], Callable[[], ForwardOutput]],
                  overlap: bool = True, synchronize: Callable[[], None] | None = None,
-                 sync: RoundSync | None = None) -> None:
+                 sync: RoundSync | None = None,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         self.scheduler = scheduler
         self.launch = launch
         self.synchronize = synchronize or (lambda: None)
@@ -92,7 +93,10 @@ class Coordinator:
         self._rounds = 0
         self._round_s = 0.0                     # seconds in rounds, waits included
         self._device_s = 0.0                    # seconds the device spent on batches
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-wait")
+        # Where the batches run and are awaited (``executor``, the thread that built the
+        # model, where given); shut down when the loop stops.
+        self._executor = executor or ThreadPoolExecutor(max_workers=1,
+                                                        thread_name_prefix="asyncinfer-wait")
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()            # set while the loop waits with nothing to do
         self.observer: RoundObserver | None = None  # called after every round, if set
