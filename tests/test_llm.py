@@ -248,3 +248,23 @@ def test_the_model_is_built_and_run_on_one_thread_of_its_own(
     llm.close()
     names = {t.name for t in threading.enumerate()}
     assert not any(n.startswith("asyncinfer-compute") for n in names)
+
+
+def test_an_llm_left_open_at_exit_closes_quietly(tiny_llama_dir: Path) -> None:
+    """A script that never calls close(): the engine is closed as the interpreter exits,
+    after Python has ended the executors' threads; the device is synchronized inline
+    then, and nothing is reported as an error."""
+    import subprocess
+    import sys
+
+    script = ("from asyncinfer.api import LLM\n"
+              "from asyncinfer.params import SamplingParams\n"
+              f"llm = LLM({str(tiny_llama_dir)!r}, skip_tokenizer_init=True, num_pages=64)\n"
+              "out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3, "
+              "temperature=0.0, ignore_eos=True), use_tqdm=False)\n"
+              "print(sum(len(o.token_ids) for o in out))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "6"
+    assert "Traceback" not in done.stderr and "died" not in done.stderr, done.stderr

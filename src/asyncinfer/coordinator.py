@@ -344,11 +344,23 @@ class Coordinator:
             with contextlib.suppress(Exception):
                 await later.future
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.synchronize)
+            await self._synchronized()
         except Exception:
             logger.exception("the device did not synchronize after a failed batch")
         self.scheduler.recover(failed.scheduled, later.scheduled if later else None,
                                f"engine error: {exc}")
+
+    async def _synchronized(self) -> None:
+        """Wait until the device has done what was launched: on the batches' thread, or
+        here where that thread is gone (an engine closed at interpreter exit, whose
+        executors Python has already ended)."""
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._executor,
+                                                                self.synchronize)
+        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+            self.synchronize()
+            return
+        await future
 
     def _effective(self, commands: list[_Add | _Abort | None]) -> list[_Add | _Abort | None]:
         """The commands to apply: an add whose request was aborted while it sat in the
@@ -383,7 +395,7 @@ class Coordinator:
     async def _fail_all(self, message: str) -> None:
         """End every request with an error and return the scheduler to a clean state."""
         # Whatever is still running in the worker must stop touching rows and pages first.
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.synchronize)
+        await self._synchronized()
         self._deliver(self.scheduler.take_events())
         self.scheduler.abort_all()
         for uid in list(self._channels):
