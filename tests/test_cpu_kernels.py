@@ -346,7 +346,7 @@ def test_packed_weights_give_torchs_products_and_free_the_plain_copy_when_asked(
 def test_packed_linear_equals_torchs_bf16_linear(rows: int, bias: bool) -> None:
     """Both sum in float32 and round once: the same bf16 results but where the order of the
     sums moves a value across a rounding boundary (one step, rarely). Row counts cover a
-    partial tile (AMX) and partial steps of six rows (AVX-512)."""
+    partial tile (AMX) and partial steps of eight rows (AVX-512)."""
     kernels = _build("native")
     if kernels.products is None:
         pytest.skip("no AMX tile units or AVX-512 here")
