@@ -81,6 +81,7 @@ class NativeKernels:
         self._pack = self._bind("pack_bf16", [_PTR, _I64, _I64, _PTR])
         self._amx_linear = self._bind("amx_linear_bf16", _GEMM_ARGS)
         self._wide_linear = self._bind("wide_linear_bf16", _GEMM_ARGS)
+        self._wide_linear.restype = _INT  # -1: its scratch could not be allocated
         ready = self._lib.amx_linear_ready
         ready.argtypes, ready.restype = [], _INT
         self.amx = bool(ready())
@@ -194,9 +195,11 @@ class NativeKernels:
         out = torch.empty(rows, out_features, dtype=torch.bfloat16)
         if rows:
             product = self._amx_linear if self.products == "amx" else self._wide_linear
-            product(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                    None if bias is None else bias.data_ptr(), rows, out_features, k,
-                    out.data_ptr(), torch.get_num_threads())
+            failed = product(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                             None if bias is None else bias.data_ptr(), rows, out_features, k,
+                             out.data_ptr(), torch.get_num_threads())
+            if failed:
+                raise MemoryError(f"no memory for a float32 copy of {rows} x {k} inputs")
         return out
 
     # The elementwise work of a layer, bfloat16 activations only (layers.fused says what

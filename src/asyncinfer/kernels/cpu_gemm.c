@@ -257,13 +257,14 @@ static void wide_step(int rows, int blocks, const float *x, const bf16 *w, int64
 }
 
 /* As amx_linear_bf16: x [m, k] (row stride xs), packed W of [n, k], bias [n] or NULL: y [m,
- * n] (contiguous); n a multiple of 16, k of 32. */
-void wide_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *bias,
-                      int64_t m, int64_t n, int64_t k, bf16 *y, int threads) {
+ * n] (contiguous); n a multiple of 16, k of 32. Returns 0, or -1 (y unwritten) where the
+ * float32 copy of x could not be allocated. */
+int wide_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *bias,
+                     int64_t m, int64_t n, int64_t k, bf16 *y, int threads) {
     const int64_t blocks = n / 16, panels = (blocks + DP_BLOCKS - 1) / DP_BLOCKS;
     const int64_t chunks = (m + DP_CHUNK - 1) / DP_CHUNK;
     float *xf = aligned_alloc(64, sizeof(float) * (size_t)(m * k));
-    if (!xf) return;
+    if (!xf) return -1;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -287,16 +288,18 @@ void wide_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 
         }
     }
     free(xf);
+    return 0;
 }
 
 #else
 
 int wide_linear_built(void) { return 0; }
 
-void wide_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *bias,
-                      int64_t m, int64_t n, int64_t k, bf16 *y, int threads) {
+int wide_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *bias,
+                     int64_t m, int64_t n, int64_t k, bf16 *y, int threads) {
     (void)x, (void)xs, (void)packed, (void)bias, (void)m, (void)n, (void)k, (void)y;
     (void)threads;
+    return -1;
 }
 
 #endif
