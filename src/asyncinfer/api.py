@@ -273,9 +273,9 @@ def _compute_thread() -> ThreadPoolExecutor:
     OpenMP gives each thread that starts parallel regions a team of workers of its own.
     Once a process has two such teams on a machine with no more cores than their threads,
     libgomp stops spinning its workers between regions, and every region (torch's ops and
-    our kernels alike, dozens a layer) pays for waking them: measured on 2 cores, a decode
-    step's small kernels took 0.1 ms each instead of 0.015, and the CPU offline workload
-    ran a fifth slower. Building the model on the thread that later runs it keeps one team.
+    our kernels alike, dozens a layer) pays for waking them, several times the cost of a
+    small kernel (docs/benchmarks.md has the measurement). Building the model on the
+    thread that later runs it keeps one team.
     """
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-compute")
 

@@ -164,9 +164,9 @@ void amx_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *
 /* The same product for AVX-512 CPUs without AMX: the packed bf16 weights widened to float32
  * in registers, multiplied by float32 FMAs. A row of a packed tile is one vector: 16
  * columns' pair of k; shifted left it is the pair's first element, masked its second, each
- * 16 floats. Where the CPU has AVX512-BF16, vdpbf16ps would take the vector as is, but it
- * issues at a quarter of the FMAs' rate on some such CPUs (measured: 0.58 a TSC tick against
- * 2.38 on a 2.3 GHz Xeon), so the widening pays. x is widened to float32 once per call.
+ * 16 floats. Where the CPU has AVX512-BF16, vdpbf16ps would take the vector as is, but on
+ * some such CPUs it issues at a fraction of the FMAs' rate (docs/benchmarks.md), so the
+ * widening pays. x is widened to float32 once per call.
  *
  * A step of the micro-kernel multiplies DP_ROWS rows of x by DP_BLOCKS blocks of 16 columns
  * (24 vectors of sums, 6 of weights and x's two: all 32 registers). A task is a panel of

@@ -5,20 +5,20 @@ times slower than float32. There ``use_fp32_shadow`` keeps a float32 copy of the
 multiplies in float32: half-precision inputs and weights, float32 accumulation, output
 rounded back — the arithmetic of a native bf16 GEMM, at float32 speed.
 
-On a CPU with those units ``pack_for_cpu`` keeps a packed copy of the weight too. Where
-the CPU has AMX tile units and our kernels build (``kernels.cpu``), the copy is in the tiles'
+On a CPU with those units ``pack_for_cpu`` keeps a packed copy of the weight too. Where the
+CPU has AMX tile units and our kernels build (``kernels.cpu``), the copy is in the tiles'
 own layout for our kernel, which streams the weights at decode sizes faster than oneDNN's
 kernels do for these shapes (about 1.6x at one row, 1.2x at forty). An AVX-512 CPU without
 AMX gets the same layout, for a kernel that widens the bf16 weights to float32 in registers
-and multiplies by float32 FMAs: on the one measured, bf16 dot products issue at a quarter of
-the FMAs' rate, so torch's bf16 products are slower than that at every size, and the copy
-takes every product. Otherwise the copy is in oneDNN's blocked layout: torch's own bf16
-GEMM goes through oneDNN, but reorders the weight on every call, which at decode sizes (tens
-of rows) costs as much as the product; packed once, a decode step's products take about
-half the time, with the same results. Prefill-sized products (thousands of rows) are about
-a tenth faster through torch's path, which blocks for their size: ``PACKED_ROWS`` is where
-the forward switches. Both copies are kept where memory allows; otherwise the packed weight
-replaces the plain one and takes every product.
+and multiplies by float32 FMAs: on such CPUs bf16 dot products can issue at a fraction of
+the FMAs' rate (docs/benchmarks.md), and torch's bf16 products are then slower than that at
+every size, so the copy takes every product. Otherwise the copy is in oneDNN's blocked
+layout: torch's own bf16 GEMM goes through oneDNN, but reorders the weight on every call,
+which at decode sizes (tens of rows) costs as much as the product; packed once, a decode
+step's products take about half the time, with the same results. Prefill-sized products
+(thousands of rows) are about a tenth faster through torch's path, which blocks for their
+size: ``PACKED_ROWS`` is where the forward switches. Both copies are kept where memory
+allows; otherwise the packed weight replaces the plain one and takes every product.
 """
 
 from __future__ import annotations
