@@ -112,9 +112,22 @@ async def test_event_loop_stays_responsive_during_generation(smollm2_dir: Path) 
 
 async def test_close_fails_requests_still_running(tiny_llama_dir: Path) -> None:
     engine = tiny_engine(tiny_llama_dir)
+    launch = engine.runner.launch
+
+    def paced(batch):  # 10 ms a batch: the request is mid-run when close() comes
+        wait = launch(batch)
+
+        def slow():
+            time.sleep(0.01)
+            return wait()
+
+        return slow
+
+    engine.runner.launch = paced  # type: ignore[method-assign]
     await engine.start()
-    task = asyncio.create_task(engine.generate([5] * 10, greedy(120)))
+    task = asyncio.create_task(engine.generate([5] * 10, greedy(110)))
     await asyncio.sleep(0.2)
+    assert not task.done()
     await engine.close()
     out = await asyncio.wait_for(task, 10)
     assert out.finish_reason == "error" and out.error is not None
