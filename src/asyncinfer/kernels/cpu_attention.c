@@ -110,8 +110,7 @@ INLINE vf widen_f32(const float *p) {
 
 INLINE vf widen_bf16(const uint16_t *p) {
 #if defined(__AVX512F__)
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)),
-                                 16);
+    return (vf)widen16_bf16(p);
 #endif
     vh h;
     memcpy(&h, p, sizeof h);

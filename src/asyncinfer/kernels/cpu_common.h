@@ -46,6 +46,16 @@ INLINE void amx_configure(void) {
 }
 #endif
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 bfloat16 values at p (any alignment) widened to float32, exactly. */
+INLINE __m512 widen16_bf16(const bf16 *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+}
+#endif
+
 /* GCC's generic vector of 16 floats: one AVX-512 register, or two AVX2 ones. */
 typedef float vf __attribute__((vector_size(64)));
 

@@ -59,10 +59,7 @@ int amx_linear_ready(void) {
  * into y (row stride ys). */
 INLINE void write_tile(const float *sums, const bf16 *bias, int64_t rows, bf16 *y,
                        int64_t ys) {
-    __m512 b = _mm512_setzero_ps();
-    if (bias)
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)bias)), 16));
+    const __m512 b = bias ? widen16_bf16(bias) : _mm512_setzero_ps();
     for (int64_t i = 0; i < rows; i++) {
         const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums + 16 * i), b));
         _mm256_storeu_si256((void *)(y + i * ys), (__m256i)out);
@@ -225,10 +222,7 @@ INLINE void wide_kernel(const int rows, const int blocks, const float *x, const 
     }
 #pragma GCC unroll 8
     for (int j = 0; j < blocks; j++) {
-        __m512 b = _mm512_setzero_ps();
-        if (bias)
-            b = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + 16 * j))), 16));
+        const __m512 b = bias ? widen16_bf16(bias + 16 * j) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int i = 0; i < rows; i++) store_bf16x16(y + i * ys + 16 * j, _mm512_add_ps(acc[i][j], b));
     }
@@ -270,9 +264,7 @@ int wide_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
             for (int64_t c = 0; c < k; c += 16)
-                _mm512_store_ps(xf + r * k + c, _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(x + r * xs + c))),
-                    16)));
+                _mm512_store_ps(xf + r * k + c, widen16_bf16(x + r * xs + c));
 #pragma omp for collapse(2) schedule(static)
         for (int64_t c = 0; c < chunks; c++) {
             for (int64_t p = 0; p < panels; p++) {
