@@ -403,6 +403,22 @@ def test_the_engine_multiplies_on_our_kernels_where_the_cpu_has_them(smollm2_dir
     if ours:  # our kernels' copies share one slab of huge pages
         bases = {m.packed.data.untyped_storage().data_ptr() for m in linears if m.packed}
         assert len(bases) == 1
+    if ours and kernels.products == "avx512":  # the head too, at any number of rows
+        from asyncinfer.layers.linear import PACKED_ROWS
+
+        hidden = torch.randn(PACKED_ROWS + 8, 576).bfloat16()
+        calls = []
+        packed_call = type(head).__call__
+        head_type = type(head)
+        try:
+            head_type.__call__ = lambda self, *a: calls.append(1) or packed_call(self, *a)
+            logits = runner.model.compute_logits(hidden)
+        finally:
+            head_type.__call__ = packed_call
+        assert calls
+        # float32 sums rounded once to bf16: within a rounding step of the float32 product.
+        want = F.linear(hidden.float(), runner.model.embed_tokens.weight.float())
+        assert ((logits - want).abs() <= want.abs() * 2**-8 + 1e-3).all()
 
 
 # ---- prefill attention on AMX tiles against torch's SDPA ----

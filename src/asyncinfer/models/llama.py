@@ -175,7 +175,8 @@ class LlamaForCausalLM(nn.Module):
         for a sampler that widens them as it reads them); every rank gets all of them."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
-        elif self.tied_packed is not None and hidden.shape[0] <= PACKED_ROWS:
+        elif self.tied_packed is not None and (hidden.shape[0] <= PACKED_ROWS
+                                               or self.tied_packed.takes_all_rows):
             logits = self.tied_packed(hidden)
         elif self.tied_shadow is not None:
             # Rounded as a native half-precision GEMM would round it.
