@@ -93,6 +93,27 @@ INLINE void pf_pair(__m512 even, __m512 odd, bf16 *row) {
     _mm512_storeu_si512((void *)row, _mm512_permutexvar_epi16(order, both));
 }
 
+/* O^T (tiles 0-3) += V^T (dtiles tiles of 16 dims, rows from vb, stride vs bytes) times
+ * the bf16 P^T at ptb, loaded into tile P. */
+#define PV_TILES(P)                                                                         \
+    do {                                                                                    \
+        _tile_loadd(P, ptb, 64);                                                            \
+        _tile_loadd(4, vb, vs);                                                             \
+        _tile_dpbf16ps(0, 4, P);                                                            \
+        if (dtiles > 1) {                                                                   \
+            _tile_loadd(5, vb + 16 * padded, vs);                                           \
+            _tile_dpbf16ps(1, 5, P);                                                        \
+        }                                                                                   \
+        if (dtiles > 2) {                                                                   \
+            _tile_loadd(4, vb + 32 * padded, vs);                                           \
+            _tile_dpbf16ps(2, 4, P);                                                        \
+        }                                                                                   \
+        if (dtiles > 3) {                                                                   \
+            _tile_loadd(5, vb + 48 * padded, vs);                                           \
+            _tile_dpbf16ps(3, 5, P);                                                        \
+        }                                                                                   \
+    } while (0)
+
 /* q [tokens, heads, dim] (row stride ``q_stride`` elements), out the same, contiguous;
  * pools [slots, kv_heads, dim]; for each of ``requests`` requests: its slots of positions
  * 0 .. starts + news at slots + slot_at[r], its new tokens at rows q_at[r] .. q_at[r] +
@@ -238,38 +259,11 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_pool,
                     }
                     const bf16 *vb = vr + d0 * padded + kp;
                     const int64_t vs = padded * 2;
+                    /* The tile numbers must be constants: P^T alternates between 6 and 7. */
                     if ((kp / PB) % 2 == 0) {
-                        _tile_loadd(6, ptb, 64);
-                        _tile_loadd(4, vb, vs);
-                        _tile_dpbf16ps(0, 4, 6);
-                        if (dtiles > 1) {
-                            _tile_loadd(5, vb + 16 * padded, vs);
-                            _tile_dpbf16ps(1, 5, 6);
-                        }
-                        if (dtiles > 2) {
-                            _tile_loadd(4, vb + 32 * padded, vs);
-                            _tile_dpbf16ps(2, 4, 6);
-                        }
-                        if (dtiles > 3) {
-                            _tile_loadd(5, vb + 48 * padded, vs);
-                            _tile_dpbf16ps(3, 5, 6);
-                        }
+                        PV_TILES(6);
                     } else {
-                        _tile_loadd(7, ptb, 64);
-                        _tile_loadd(4, vb, vs);
-                        _tile_dpbf16ps(0, 4, 7);
-                        if (dtiles > 1) {
-                            _tile_loadd(5, vb + 16 * padded, vs);
-                            _tile_dpbf16ps(1, 5, 7);
-                        }
-                        if (dtiles > 2) {
-                            _tile_loadd(4, vb + 32 * padded, vs);
-                            _tile_dpbf16ps(2, 4, 7);
-                        }
-                        if (dtiles > 3) {
-                            _tile_loadd(5, vb + 48 * padded, vs);
-                            _tile_dpbf16ps(3, 5, 7);
-                        }
+                        PV_TILES(7);
                     }
                 }
                 _tile_stored(0, ot, 64);
