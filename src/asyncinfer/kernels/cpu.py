@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from asyncinfer.cache import cache_dir
+from asyncinfer.memory import Slab
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,9 @@ class NativeKernels:
         given."""
         assert self.packs(weight)
         weight = weight.detach().contiguous()
-        packed = _aligned_empty(weight.numel()) if out is None else out
+        # The kernels load whole vectors and tiles: a slab's slices start on 64 bytes.
+        packed = (Slab([(weight.numel(), torch.bfloat16)]).take(weight.numel(), torch.bfloat16)
+                  if out is None else out)
         assert packed.dtype == torch.bfloat16 and packed.numel() == weight.numel()
         assert packed.is_contiguous() and packed.data_ptr() % 64 == 0
         self._pack(weight.data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
@@ -272,14 +275,6 @@ class NativeKernels:
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax(logits.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
         return out
-
-
-def _aligned_empty(numel: int) -> torch.Tensor:
-    """``numel`` bf16 elements starting on a 64-byte boundary (the kernels load whole
-    vectors and tiles of the packed weights)."""
-    raw = torch.empty(numel + 32, dtype=torch.bfloat16)
-    skip = (-raw.data_ptr() % 64) // 2
-    return raw[skip : skip + numel]
 
 
 @functools.cache
