@@ -34,8 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncinfer.bench.serve import DEFAULT_OUTPUT_LEN
-from asyncinfer.bench.workloads import CHAT_OUTPUT
+from asyncinfer.bench.plan import DEFAULT_OUTPUT_LEN
+from asyncinfer.bench.traffic import CHAT_OUTPUT
 from benchmarks.plot import plot_head_of_line, plot_noisy_neighbour
 from benchmarks.serve_sweep import (
     add_server_flags,

@@ -22,19 +22,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from asyncinfer.bench.serve import (
-    RequestResult,
-    add_parser,
-    arrival_schedule,
-    check_drained,
-    main,
-    make_requests,
-    parse_gauges,
-    plan_hangups,
-    plan_long,
-    summarize,
-)
-from asyncinfer.bench.workloads import chat, draw_labels, tenant_arrivals
+from asyncinfer.bench.client import RequestResult
+from asyncinfer.bench.plan import arrival_schedule, make_requests, plan_hangups, plan_long
+from asyncinfer.bench.report import summarize
+from asyncinfer.bench.scrape import check_drained, parse_gauges
+from asyncinfer.bench.serve import add_parser, main
+from asyncinfer.bench.traffic import chat, draw_labels, tenant_arrivals
 from asyncinfer.errors import AsyncInferError
 
 FAST = 0.002  # seconds before each chunk of a normal request
@@ -274,7 +267,7 @@ def test_http_errors_are_counted_as_failures(tmp_path: Path) -> None:
 
 def test_the_servers_error_message_is_logged_once_per_status(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="asyncinfer.bench.serve"):
+    with caplog.at_level(logging.WARNING, logger="asyncinfer.bench.client"):
         bench(FakeServer(lambda k: "500"), tmp_path, "--concurrency", "2", "--num-requests", "4")
     [record] = caplog.records
     assert "HTTP 500" in record.getMessage() and "boom" in record.getMessage()

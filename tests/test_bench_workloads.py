@@ -16,30 +16,27 @@ from typing import Any
 
 import pytest
 
-from asyncinfer.bench.serve import (
-    RequestResult,
-    arrival_schedule,
-    label_requests,
-    make_requests,
-    plan_long,
+from asyncinfer.bench.client import RequestResult
+from asyncinfer.bench.plan import arrival_schedule, label_requests, make_requests, plan_long
+from asyncinfer.bench.service import (
+    TenantTrace,
+    cumulative,
+    intersect,
+    largest_gap,
+    service_report,
     service_traces,
+    union,
 )
-from asyncinfer.bench.workloads import (
+from asyncinfer.bench.traffic import (
     CHAT_INPUT,
     CHAT_OUTPUT,
     LogNormal,
-    TenantTrace,
     Uniform,
     chat,
-    cumulative,
     draw_labels,
-    intersect,
-    largest_gap,
     parse_mix,
-    service_report,
     tenant_arrivals,
     tenant_name,
-    union,
 )
 
 
