@@ -95,7 +95,7 @@ IDLE = re.compile(r"(run_engine_core|serve|_front_process) \(asyncinfer/|"
 def shape_model(shape: str, tokenizer: Path, root: Path) -> Path:
     """A model directory of ``shape`` (config only: dummy weights) with ``tokenizer``'s files
     and vocabulary, so the server can tokenize."""
-    from asyncinfer.bench.offline import shape_dir
+    from asyncinfer.bench.throughput import shape_dir
 
     model = shape_dir(shape, root)
     for item in tokenizer.iterdir():
