@@ -1,26 +1,5 @@
 """Two scheduling scenarios against `asyncinfer serve`, one server per policy, each written as
-a JSON summary and a PNG (``python -m benchmarks.scenarios SCENARIO``).
-
-``head-of-line``: a chat workload at ``--rate`` in which one request in 20 has a prompt 30
-times longer (``--long-fraction 0.05 --long-factor 30``, at most ``--max-input-len``: by
-default the server's context less the longest output): how long the long prefills hold up
-the short requests (the short ones' TTFT p99), and how long the long ones wait (their TTFT).
-
-``noisy-neighbour``: tenant A sends at ``--ratio`` (4) times the rate of tenant B, whose rate
-``--rate-b`` stays the same, each an arrival process of its own: B's TTFT p50 and p99, both
-tenants' weighted service over time, and the largest gap between their service while both
-had requests waiting (docs/workloads.md), for prefill_first and vtc by default.
-
-    python -m benchmarks.scenarios head-of-line --out OUT --rate 20 --num-requests 400 \\
-        --shape qwen3-0.6b --tokenizer TOK -- --device cuda --dtype bfloat16
-    python -m benchmarks.scenarios noisy-neighbour --out OUT --rate-b 5 --num-requests 1000 \\
-        --policies prefill_first,vtc --shape qwen3-0.6b --tokenizer TOK -- --device cuda
-
-Each policy's server is started as ``benchmarks.serve_sweep`` starts it, with the engine
-flags after ``--`` (and ``--policy-opt [POLICY:]KEY=VALUE`` for the policy); the workload
-flags of ``asyncinfer bench serve`` pass through (default ``--workload chat``). A policy whose
-server does not come up is recorded with its error and left out of the plot.
-"""
+a JSON summary and a PNG (``python -m benchmarks.scenarios SCENARIO``)."""
 
 from __future__ import annotations
 
@@ -47,6 +26,29 @@ from benchmarks.serve_sweep import (
     split_argv,
 )
 from benchmarks.util import git_commit, write_report
+
+# The --help epilog: how to run it.
+USAGE = """\
+``head-of-line``: a chat workload at ``--rate`` in which one request in 20 has a prompt 30
+times longer (``--long-fraction 0.05 --long-factor 30``, at most ``--max-input-len``: by
+default the server's context less the longest output): how long the long prefills hold up
+the short requests (the short ones' TTFT p99), and how long the long ones wait (their TTFT).
+
+``noisy-neighbour``: tenant A sends at ``--ratio`` (4) times the rate of tenant B, whose rate
+``--rate-b`` stays the same, each an arrival process of its own: B's TTFT p50 and p99, both
+tenants' weighted service over time, and the largest gap between their service while both
+had requests waiting (docs/workloads.md), for prefill_first and vtc by default.
+
+    python -m benchmarks.scenarios head-of-line --out OUT --rate 20 --num-requests 400 \\
+        --shape qwen3-0.6b --tokenizer TOK -- --device cuda --dtype bfloat16
+    python -m benchmarks.scenarios noisy-neighbour --out OUT --rate-b 5 --num-requests 1000 \\
+        --policies prefill_first,vtc --shape qwen3-0.6b --tokenizer TOK -- --device cuda
+
+Each policy's server is started as ``benchmarks.serve_sweep`` starts it, with the engine
+flags after ``--`` (and ``--policy-opt [POLICY:]KEY=VALUE`` for the policy); the workload
+flags of ``asyncinfer bench serve`` pass through (default ``--workload chat``). A policy whose
+server does not come up is recorded with its error and left out of the plot.
+"""
 
 AGGRESSOR, VICTIM = "A", "B"
 
@@ -124,7 +126,8 @@ SCENARIOS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., Path], s
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, epilog=USAGE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="scenario", required=True)
     for name, (_, _, policies) in SCENARIOS.items():
         each = sub.add_parser(name, help=f"policies {policies} by default")

@@ -1,7 +1,33 @@
 """A rate sweep of ``asyncinfer bench serve`` against ``asyncinfer serve``, one server per
 policy, with the engine core's round counters and, optionally, py-spy profiles and the
-offline figures to hold the served ones against (``python -m benchmarks.serve_sweep``).
+offline figures to hold the served ones against (``python -m benchmarks.serve_sweep``)."""
 
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from benchmarks.util import git_commit, write_report
+
+# The --help epilog: how to run it.
+USAGE = """\
 For each policy it starts ``asyncinfer serve --policy P`` with the engine flags given after
 ``--``, waits for ``/health``, and for each rate runs ``asyncinfer bench serve`` (Poisson
 arrivals, ``inf`` all at once), reading ``/metrics`` before and after: the engine core's
@@ -32,30 +58,6 @@ with each policy for its own runs (``each``); the summary records it.
         --policies prefill_first,priority,vtc --workload chat --tenants A:0.8,B:0.2 \\
         --capacity-fractions 0.2,0.4,0.6,0.8,1.0,1.2 --num-requests 1000 -- --device cuda
 """
-
-from __future__ import annotations
-
-import argparse
-import collections
-import contextlib
-import json
-import math
-import os
-import re
-import shutil
-import signal
-import statistics
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
-from benchmarks.util import git_commit, write_report
 
 POLICIES = ("prefill_first", "decode_first", "skip_ahead")
 # The sweep runs any registered policy; these are the ones it is meant to compare (the last
@@ -386,7 +388,8 @@ def _round(value: float | None, digits: int) -> float | None:
 
 def main() -> int:
     argv, engine_flags = split_argv(sys.argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, epilog=USAGE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_flags(parser, port=18631)
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help=f"comma-separated, any registered policy (default "
