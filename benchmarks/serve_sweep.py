@@ -60,8 +60,7 @@ with each policy for its own runs (``each``); the summary records it.
 """
 
 POLICIES = ("prefill_first", "decode_first", "skip_ahead")
-# The sweep runs any registered policy; these are the ones it is meant to compare (the last
-# two are plugins: `asyncinfer policies` lists what is installed).
+# Any registered policy runs; these are the ones compared (the last two are plugins).
 KNOWN_POLICIES = (*POLICIES, "priority", "vtc", "shortest_prompt_first")
 
 # `asyncinfer bench serve` flags passed through as given (it checks them).
@@ -88,8 +87,8 @@ CATEGORIES = (
 )
 
 
-# A main-thread sample whose innermost Python frame is one of these is the event loop
-# waiting (uvloop's loop is C: its caller is the innermost frame then).
+# A main-thread sample whose innermost Python frame is one of these is the loop waiting
+# (uvloop's loop is C, so its caller is then the innermost frame).
 IDLE = re.compile(r"(run_engine_core|serve|_front_process) \(asyncinfer/|"
                   r"(\S+\.)?(run_until_complete|run_forever|select|_run_once) ")
 
@@ -303,8 +302,7 @@ def run_rate(url: str, policy: str, rate: str, args: argparse.Namespace, out: Pa
         "wait_ms_per_round": round(1000 * delta("engine_round_wait_seconds_total")
                                    / max(rounds, 1), 3),
         "wait_share": round(delta("engine_round_wait_seconds_total") / wall, 3),
-        # Busy: the batches' spans on the engine stream; the rest of the wall time the
-        # device idled (between batches, and before and after the load).
+        # Busy: the batches' spans on the engine stream; the rest of the wall time, idle.
         "device_busy_share": round(delta("engine_device_busy_seconds_total") / wall, 3),
         "host_share": round(delta("engine_round_host_seconds_total") / wall, 3),
         "running_mean": round(statistics.fmean(sampler.values), 1) if sampler.values else 0,
