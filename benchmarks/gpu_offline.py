@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from asyncinfer.bench.offline import shape_dir
+from asyncinfer.bench.throughput import offline_workload, shape_dir
 from asyncinfer.coordinator import Round
 
 
@@ -245,9 +245,8 @@ def main(args: Any) -> int:
     from asyncinfer.options import engine_options
     from asyncinfer.params import SamplingParams
     from benchmarks.util import git_commit, write_report
-    from benchmarks.workloads import gpu_offline
 
-    prompts, max_tokens = gpu_offline()
+    prompts, max_tokens = offline_workload("gpu")
     temperature = 0.6 if args.temperature is None else args.temperature
     # The workload's defaults, then the engine options given on the command line.
     options: dict[str, Any] = {"device": "cuda", "max_running_requests": 256,

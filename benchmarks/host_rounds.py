@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from asyncinfer.attention.flashinfer_backend import paged_layout
+from asyncinfer.bench.throughput import offline_workload
 from asyncinfer.config import EngineConfig
 from asyncinfer.core import Batch, ForwardOutput
 from asyncinfer.engine.runner import host_inputs
@@ -28,7 +29,6 @@ from asyncinfer.engine.sampler import Sampler
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.registry import load_policy
 from asyncinfer.scheduler.scheduler import Scheduler
-from benchmarks.workloads import gpu_offline
 
 
 class NullEngine:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="prefill_first")
     parser.add_argument("--profile", action="store_true", help="list where the time goes")
     args = parser.parse_args(argv)
-    prompts, max_tokens = gpu_offline()
+    prompts, max_tokens = offline_workload("gpu")
     profile = cProfile.Profile() if args.profile else None
     result = measure(prompts, max_tokens, args.policy, profile=profile)
     print(f"{result['rounds']} rounds in {result['seconds']:.2f} s: "

@@ -21,9 +21,14 @@ from typing import Any
 
 import torch
 
-from asyncinfer.bench.offline import DEFAULTS_HERE, SHAPES, machine, run_offline
+from asyncinfer.bench.throughput import (
+    DEFAULTS_HERE,
+    SHAPES,
+    machine,
+    offline_workload,
+    run_offline,
+)
 from benchmarks.util import git_commit, write_report
-from benchmarks.workloads import cpu_offline
 
 
 def run_transformers_static(model_dir: Path, prompts: list[list[int]], max_tokens: list[int],
@@ -72,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         from benchmarks.gpu_offline import main as gpu_main
 
         return gpu_main(args)
-    prompts, max_tokens = cpu_offline()
+    prompts, max_tokens = offline_workload("cpu")
     # The workload's defaults, then the engine options given on the command line.
     options: dict[str, Any] = {"max_running_requests": 64, "max_seq_len": 2048,
                                **engine_options(args)}

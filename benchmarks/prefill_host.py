@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from asyncinfer.bench.offline import SHAPES
+from asyncinfer.bench.throughput import SHAPES
 from benchmarks.util import git_commit, write_report
 
 # name -> (rows, starts, ends): rows 0 .. n-1 of the page table
@@ -72,7 +72,7 @@ def time_runner(runner: Any, repeats: int) -> dict[str, dict[str, Any]]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from asyncinfer.bench.offline import shape_dir
+    from asyncinfer.bench.throughput import shape_dir
     from asyncinfer.config import EngineConfig
     from asyncinfer.engine.runner import ModelRunner
 

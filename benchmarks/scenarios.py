@@ -1,6 +1,34 @@
 """Two scheduling scenarios against `asyncinfer serve`, one server per policy, each written as
-a JSON summary and a PNG (``python -m benchmarks.scenarios SCENARIO``).
+a JSON summary and a PNG (``python -m benchmarks.scenarios SCENARIO``)."""
 
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from asyncinfer.bench.plan import DEFAULT_OUTPUT_LEN
+from asyncinfer.bench.traffic import CHAT_OUTPUT
+from benchmarks.plot import plot_head_of_line, plot_noisy_neighbour
+from benchmarks.serve_sweep import (
+    add_server_flags,
+    add_workload_flags,
+    policy_flags,
+    run_rate,
+    server_model,
+    serving,
+    split_argv,
+)
+from benchmarks.util import git_commit, write_report
+
+# The --help epilog: how to run it.
+USAGE = """\
 ``head-of-line``: a chat workload at ``--rate`` in which one request in 20 has a prompt 30
 times longer (``--long-fraction 0.05 --long-factor 30``, at most ``--max-input-len``: by
 default the server's context less the longest output): how long the long prefills hold up
@@ -21,32 +49,6 @@ flags after ``--`` (and ``--policy-opt [POLICY:]KEY=VALUE`` for the policy); the
 flags of ``asyncinfer bench serve`` pass through (default ``--workload chat``). A policy whose
 server does not come up is recorded with its error and left out of the plot.
 """
-
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import subprocess
-import sys
-import urllib.request
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
-
-from asyncinfer.bench.serve import DEFAULT_OUTPUT_LEN
-from asyncinfer.bench.workloads import CHAT_OUTPUT
-from benchmarks.plot import plot_head_of_line, plot_noisy_neighbour
-from benchmarks.serve_sweep import (
-    add_server_flags,
-    add_workload_flags,
-    policy_flags,
-    run_rate,
-    server_model,
-    serving,
-    split_argv,
-)
-from benchmarks.util import git_commit, write_report
 
 AGGRESSOR, VICTIM = "A", "B"
 
@@ -124,7 +126,8 @@ SCENARIOS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., Path], s
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, epilog=USAGE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="scenario", required=True)
     for name, (_, _, policies) in SCENARIOS.items():
         each = sub.add_parser(name, help=f"policies {policies} by default")

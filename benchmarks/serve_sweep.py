@@ -1,7 +1,33 @@
 """A rate sweep of ``asyncinfer bench serve`` against ``asyncinfer serve``, one server per
 policy, with the engine core's round counters and, optionally, py-spy profiles and the
-offline figures to hold the served ones against (``python -m benchmarks.serve_sweep``).
+offline figures to hold the served ones against (``python -m benchmarks.serve_sweep``)."""
 
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from benchmarks.util import git_commit, write_report
+
+# The --help epilog: how to run it.
+USAGE = """\
 For each policy it starts ``asyncinfer serve --policy P`` with the engine flags given after
 ``--``, waits for ``/health``, and for each rate runs ``asyncinfer bench serve`` (Poisson
 arrivals, ``inf`` all at once), reading ``/metrics`` before and after: the engine core's
@@ -33,33 +59,8 @@ with each policy for its own runs (``each``); the summary records it.
         --capacity-fractions 0.2,0.4,0.6,0.8,1.0,1.2 --num-requests 1000 -- --device cuda
 """
 
-from __future__ import annotations
-
-import argparse
-import collections
-import contextlib
-import json
-import math
-import os
-import re
-import shutil
-import signal
-import statistics
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
-from benchmarks.util import git_commit, write_report
-
 POLICIES = ("prefill_first", "decode_first", "skip_ahead")
-# The sweep runs any registered policy; these are the ones it is meant to compare (the last
-# two are plugins: `asyncinfer policies` lists what is installed).
+# Any registered policy runs; these are the ones compared (the last two are plugins).
 KNOWN_POLICIES = (*POLICIES, "priority", "vtc", "shortest_prompt_first")
 
 # `asyncinfer bench serve` flags passed through as given (it checks them).
@@ -86,8 +87,8 @@ CATEGORIES = (
 )
 
 
-# A main-thread sample whose innermost Python frame is one of these is the event loop
-# waiting (uvloop's loop is C: its caller is the innermost frame then).
+# A main-thread sample whose innermost Python frame is one of these is the loop waiting
+# (uvloop's loop is C, so its caller is then the innermost frame).
 IDLE = re.compile(r"(run_engine_core|serve|_front_process) \(asyncinfer/|"
                   r"(\S+\.)?(run_until_complete|run_forever|select|_run_once) ")
 
@@ -95,7 +96,7 @@ IDLE = re.compile(r"(run_engine_core|serve|_front_process) \(asyncinfer/|"
 def shape_model(shape: str, tokenizer: Path, root: Path) -> Path:
     """A model directory of ``shape`` (config only: dummy weights) with ``tokenizer``'s files
     and vocabulary, so the server can tokenize."""
-    from asyncinfer.bench.offline import shape_dir
+    from asyncinfer.bench.throughput import shape_dir
 
     model = shape_dir(shape, root)
     for item in tokenizer.iterdir():
@@ -301,8 +302,7 @@ def run_rate(url: str, policy: str, rate: str, args: argparse.Namespace, out: Pa
         "wait_ms_per_round": round(1000 * delta("engine_round_wait_seconds_total")
                                    / max(rounds, 1), 3),
         "wait_share": round(delta("engine_round_wait_seconds_total") / wall, 3),
-        # Busy: the batches' spans on the engine stream; the rest of the wall time the
-        # device idled (between batches, and before and after the load).
+        # Busy: the batches' spans on the engine stream; the rest of the wall time, idle.
         "device_busy_share": round(delta("engine_device_busy_seconds_total") / wall, 3),
         "host_share": round(delta("engine_round_host_seconds_total") / wall, 3),
         "running_mean": round(statistics.fmean(sampler.values), 1) if sampler.values else 0,
@@ -386,7 +386,8 @@ def _round(value: float | None, digits: int) -> float | None:
 
 def main() -> int:
     argv, engine_flags = split_argv(sys.argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, epilog=USAGE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_flags(parser, port=18631)
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help=f"comma-separated, any registered policy (default "

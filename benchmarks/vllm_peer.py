@@ -1,9 +1,20 @@
 #!/usr/bin/env python3
 """vLLM (CPU build) benchmark peer for the "CPU offline workload".
 
-Standalone on purpose: it runs with the python of a separate vLLM venv
-(see setup_vllm_cpu.sh next to this file), so it must not import asyncinfer.
+Standalone: it runs with the python of a separate vLLM venv (setup_vllm_cpu.sh), so it
+must not import asyncinfer."""
 
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+# The --help epilog: how to run it.
+USAGE = """\
 Workload ("cpu"), replicated exactly:
     random.seed(0)
     64 prompts, each [random.randint(0, 10000) for _ in range(random.randint(32, 512))]
@@ -22,15 +33,6 @@ Writes (and prints) JSON:
      VLLM_CPU_KVCACHE_SPACE}, ...extra detail keys...}
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import random
-import sys
-import time
-
 ENV_KEYS = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")
 EXPECTED_CPU_TOKENS = 9896
 
@@ -47,7 +49,8 @@ def cpu_workload() -> tuple[list[list[int]], list[int]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, epilog=USAGE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local Hugging Face model dir")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--workload", default="cpu", choices=["cpu"])

@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from asyncinfer.bench.offline import SHAPES, shape_dir, workload
+from asyncinfer.bench.throughput import SHAPES, offline_workload, shape_dir
 from asyncinfer.cli import main
 from asyncinfer.config import ModelConfig
 
 
 def test_workloads_are_the_same_on_every_run() -> None:
-    prompts, max_tokens = workload("cpu")
+    prompts, max_tokens = offline_workload("cpu")
     assert (len(prompts), sum(max_tokens)) == (64, 9896)
     assert all(32 <= len(p) <= 512 for p in prompts)
-    assert workload("cpu") == (prompts, max_tokens)
-    gpu_prompts, gpu_tokens = workload("gpu")
+    assert offline_workload("cpu") == (prompts, max_tokens)
+    gpu_prompts, gpu_tokens = offline_workload("gpu")
     assert len(gpu_prompts) == 256 and all(100 <= n <= 1024 for n in gpu_tokens)
 
 

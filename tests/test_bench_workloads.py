@@ -16,30 +16,27 @@ from typing import Any
 
 import pytest
 
-from asyncinfer.bench.serve import (
-    RequestResult,
-    arrival_schedule,
-    label_requests,
-    make_requests,
-    plan_long,
+from asyncinfer.bench.client import RequestResult
+from asyncinfer.bench.plan import arrival_schedule, label_requests, make_requests, plan_long
+from asyncinfer.bench.service import (
+    TenantTrace,
+    cumulative,
+    intersect,
+    largest_gap,
+    service_report,
     service_traces,
+    union,
 )
-from asyncinfer.bench.workloads import (
+from asyncinfer.bench.traffic import (
     CHAT_INPUT,
     CHAT_OUTPUT,
     LogNormal,
-    TenantTrace,
     Uniform,
     chat,
-    cumulative,
     draw_labels,
-    intersect,
-    largest_gap,
     parse_mix,
-    service_report,
     tenant_arrivals,
     tenant_name,
-    union,
 )
 
 
@@ -76,16 +73,21 @@ def test_lognormal_mu_puts_the_mean_where_asked() -> None:
     assert statistics.median(values) == pytest.approx(math.exp(unclipped.mu), rel=0.03)
 
 
-def test_the_chat_lengths_have_sharegpts_means() -> None:
-    assert (CHAT_INPUT.mean, CHAT_INPUT.sigma, CHAT_INPUT.lo, CHAT_INPUT.hi) == (161, 1.0, 4, 2048)
-    assert (CHAT_OUTPUT.mean, CHAT_OUTPUT.sigma, CHAT_OUTPUT.lo, CHAT_OUTPUT.hi) == (
-        338, 0.8, 4, 1024)
-    inputs, outputs = draws(CHAT_INPUT, 50_000), draws(CHAT_OUTPUT, 50_000)
-    assert statistics.fmean(inputs) == pytest.approx(161, rel=0.03)
-    # Clipping at 1024 cuts the outputs' tail: the mean after clipping, not 338.
-    assert CHAT_OUTPUT.expected() == pytest.approx(321.2, abs=0.5)
-    assert statistics.fmean(outputs) == pytest.approx(CHAT_OUTPUT.expected(), rel=0.03)
-    assert 0.03 < sum(v == 1024 for v in outputs) / len(outputs) < 0.045
+def test_chat_lengths_draw_what_docs_workloads_states() -> None:
+    # docs/workloads.md's table: clipped to 4..2048 and 4..1024, means 160 and 321 after
+    # clipping (ShareGPT's 161 and 338), medians 98 and 245, 3.8% of outputs at 1024.
+    inputs, outputs = chat()
+    prompt_lens, output_lens = draws(inputs, 50_000), draws(outputs, 50_000)
+    assert min(prompt_lens) >= 4 and max(prompt_lens) <= 2048
+    assert min(output_lens) >= 4 and max(output_lens) == 1024
+    assert statistics.fmean(prompt_lens) == pytest.approx(160, rel=0.03)
+    assert statistics.fmean(output_lens) == pytest.approx(321, rel=0.03)
+    assert statistics.median(prompt_lens) == pytest.approx(98, rel=0.05)
+    assert statistics.median(output_lens) == pytest.approx(245, rel=0.05)
+    assert 0.03 < output_lens.count(1024) / len(output_lens) < 0.045
+    # The mean the report states as mean_after_clipping is the draws'.
+    assert outputs.describe()["mean_after_clipping"] == pytest.approx(
+        statistics.fmean(output_lens), rel=0.03)
 
 
 def test_the_mean_after_clipping_matches_the_draws() -> None:
@@ -96,8 +98,12 @@ def test_the_mean_after_clipping_matches_the_draws() -> None:
 
 def test_chat_means_can_be_overridden() -> None:
     inp, out = chat(input_mean=40, output_mean=8)
-    assert (inp.mean, inp.sigma, inp.lo, inp.hi) == (40, CHAT_INPUT.sigma, 4, 2048)
-    assert (out.mean, out.sigma, out.lo, out.hi) == (8, CHAT_OUTPUT.sigma, 4, 1024)
+    small, default = draws(inp, 50_000), draws(CHAT_INPUT, 50_000)
+    assert statistics.fmean(small) == pytest.approx(40, rel=0.03)
+    # The spread stays: the median sits at the same share of the mean.
+    assert statistics.median(small) / 40 == pytest.approx(statistics.median(default) / 161,
+                                                          rel=0.05)
+    assert min(draws(out, 5000)) == 4  # the clip bounds stay too
     assert chat() == (CHAT_INPUT, CHAT_OUTPUT)
 
 

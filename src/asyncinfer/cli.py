@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "comparisons with peers live in the repository's "
                                          "benchmarks/)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from asyncinfer.bench.offline import add_parser as add_bench_offline_parser
     from asyncinfer.bench.serve import add_parser as add_bench_serve_parser
+    from asyncinfer.bench.throughput import add_parser as add_bench_offline_parser
 
     add_bench_offline_parser(bench_sub)
     add_bench_serve_parser(bench_sub)

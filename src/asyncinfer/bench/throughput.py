@@ -1,12 +1,4 @@
-"""``asyncinfer bench offline``: tokens per second of ``LLM.generate`` over a fixed workload.
-
-Two workloads, drawn the same way on every run: ``cpu`` (64 prompts of 32..512 random ids,
-32..256 tokens each, greedy) and ``gpu`` (nano-vllm's bench: 256 prompts of 100..1024 ids,
-100..1024 tokens each, temperature 0.6). EOS never ends a request early, so every run
-generates the same number of tokens. ``--shape`` runs a known model shape with dummy
-weights, for a model that is not on the machine. Engine options (``--tp``, ``--policy``,
-``--device`` ...) are the engine's flags.
-"""
+"""`asyncinfer bench offline`: tokens per second of ``LLM.generate`` over a fixed workload."""
 
 from __future__ import annotations
 
@@ -17,6 +9,16 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+# The --help text.
+DESCRIPTION = """\
+Two workloads, drawn the same way on every run: ``cpu`` (64 prompts of 32..512 random ids,
+32..256 tokens each, greedy) and ``gpu`` (nano-vllm's bench: 256 prompts of 100..1024 ids,
+100..1024 tokens each, temperature 0.6). EOS never ends a request early, so every run
+generates the same number of tokens. ``--shape`` runs a known model shape with dummy
+weights, for a model that is not on the machine. Engine options (``--tp``, ``--policy``,
+``--device`` ...) are the engine's flags.
+"""
 
 # Model shapes (their config.json, shape only) for runs with dummy weights.
 _QWEN3_0_6B: dict[str, Any] = {
@@ -34,7 +36,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 # Per workload: (requests, prompt lengths, output lengths), temperature, engine defaults.
-WORKLOADS: dict[str, tuple[tuple[int, tuple[int, int], tuple[int, int]], float,
+OFFLINE_WORKLOADS: dict[str, tuple[tuple[int, tuple[int, int], tuple[int, int]], float,
                            dict[str, Any]]] = {
     "cpu": ((64, (32, 512), (32, 256)), 0.0,
             {"max_running_requests": 64, "max_seq_len": 2048}),
@@ -61,10 +63,10 @@ def shape_dir(name: str, root: Path) -> Path:
     return path
 
 
-def workload(name: str) -> tuple[list[list[int]], list[int]]:
-    """The prompts (token ids) and max_tokens of a workload, the same on every run
-    (``random.seed(0)``'s draws, as nano-vllm's bench makes them)."""
-    (n, prompt_len, output_len), _, _ = WORKLOADS[name]
+def offline_workload(name: str) -> tuple[list[list[int]], list[int]]:
+    """A workload's prompts (token ids) and max_tokens, ``random.Random(0)``'s draws as in
+    nano-vllm's bench: cpu's are 64 prompts of 32..512 ids, 9,896 tokens in all."""
+    (n, prompt_len, output_len), _, _ = OFFLINE_WORKLOADS[name]
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(*prompt_len))]
                for _ in range(n)]
@@ -73,8 +75,7 @@ def workload(name: str) -> tuple[list[list[int]], list[int]]:
 
 def run_offline(model: str, options: dict[str, Any], prompts: list[list[int]],
                 max_tokens: list[int], temperature: float) -> dict[str, Any]:
-    """Start an LLM, warm it up on a few short requests, then time one ``generate`` over
-    the whole workload: tokens, seconds, tokens/s and the start-up's seconds."""
+    """Start an LLM, warm it up, then time one ``generate`` over the whole workload."""
     from asyncinfer.api import LLM
     from asyncinfer.params import SamplingParams
 
@@ -102,14 +103,14 @@ def run_offline(model: str, options: dict[str, Any], prompts: list[list[int]],
         llm.close()
 
 
-_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-              "amx_fp16")
-"""The CPU features a CPU figure depends on (which kernels and GEMMs run)."""
+# The CPU features a CPU figure depends on (which kernels and GEMMs run).
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+             "amx_fp16")
 
 
 def machine() -> dict[str, Any]:
-    """The CPU a result came from: its model name, the features of ``_CPU_FLAGS`` it has, and
-    the cores this process may use (CPU figures are only comparable on the same kind)."""
+    """The CPU a result came from (model, ``CPU_FLAGS`` it has, usable cores): CPU figures
+    compare only on the same kind."""
     import os
 
     from asyncinfer.kernels.cpu import cpu_flags
@@ -123,7 +124,7 @@ def machine() -> dict[str, Any]:
         pass
     flags = set(cpu_flags().partition(":")[2].split())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": name, "cpu_flags": [f for f in _CPU_FLAGS if f in flags], "cores": cores}
+    return {"cpu": name, "cpu_flags": [f for f in CPU_FLAGS if f in flags], "cores": cores}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -132,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
     from asyncinfer.models.source import resolve_model
     from asyncinfer.options import engine_options
 
-    _, default_temperature, defaults = WORKLOADS[args.workload]
+    _, default_temperature, defaults = OFFLINE_WORKLOADS[args.workload]
     options: dict[str, Any] = {**defaults, **engine_options(args)}
     model = options.pop("model", None)
     if args.shape:
@@ -141,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         model_dir = resolve_model(model)
     config = EngineConfig(**options)  # every option checked before the model loads
-    prompts, max_tokens = workload(args.workload)
+    prompts, max_tokens = offline_workload(args.workload)
     temperature = default_temperature if args.temperature is None else args.temperature
     result = run_offline(str(model_dir), options, prompts, max_tokens, temperature)
     report = {"benchmark": f"offline-{args.workload}", "model": model_dir.name,
@@ -162,8 +163,8 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
 
     parser = bench_subparsers.add_parser(
         "offline", help="tokens/s of LLM.generate over a fixed workload",
-        description=(__doc__ or "").split("\n\n")[1])
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cpu",
+        description=DESCRIPTION)
+    parser.add_argument("--workload", choices=sorted(OFFLINE_WORKLOADS), default="cpu",
                         help="cpu: 64 requests, greedy; gpu: nano-vllm's 256, temperature 0.6")
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                         help="run a model of this shape with dummy weights (no --model)")
