@@ -30,7 +30,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import IO, Any, Literal, TypeVar
 
-from asyncinfer.cache import cache_dir
+from asyncinfer.cachedir import cache_dir
 from asyncinfer.errors import ConfigError, ModelNotFoundError
 
 logger = logging.getLogger(__name__)
