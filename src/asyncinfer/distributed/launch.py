@@ -22,12 +22,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from asyncinfer.distributed.sync import watch_peers_in_this_process
 from asyncinfer.errors import EngineError
-
-if TYPE_CHECKING:
-    from asyncinfer.distributed.sync import RoundSync
 from asyncinfer.processes import describe_exit, has_exited
 
 logger = logging.getLogger(__name__)
@@ -181,33 +179,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-_launched_rank: int | None = None  # set in a process this module started
-
-
-def watch_peers(sync: RoundSync) -> None:
-    """In a rank this module started: end the process, with the reason logged, as soon as
-    another rank's process exits while the ranks are not stopping (the collective this rank
-    may be waiting in would otherwise wait for a rank that is gone, under NCCL for good)."""
-    if _launched_rank is None:
-        return
-
-    def watch() -> None:
-        while not sync.closing:
-            gone = sync.lost()
-            if gone and not sync.closing:
-                logger.error("tensor-parallel %s; rank %d stops", gone, sync.rank)
-                os._exit(1)
-            time.sleep(0.2)
-
-    threading.Thread(target=watch, daemon=True, name="asyncinfer-tp-peers").start()
-
-
 def _rank_main(rank: int, size: int, port: int, backend: str, leader: int,
                entry: Callable[..., None], args: tuple[Any, ...]) -> None:
     """A rank's process: join the group, run ``entry``; exit 1 with the reason logged if it
     fails. A watcher ends the process if rank 0's process exits without telling it."""
-    global _launched_rank
-    _launched_rank = rank
+    watch_peers_in_this_process()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [tp{rank}] %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -14,9 +14,11 @@ error then names that rank, found through the pids the ranks exchanged at start.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
 import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -25,8 +27,19 @@ from typing import Any
 from asyncinfer.errors import EngineError
 from asyncinfer.processes import has_exited
 
+logger = logging.getLogger(__name__)
+
 # How long the sync group's collectives wait: the followers wait in one while rank 0 idles.
 IDLE_TIMEOUT = timedelta(days=365)
+
+_peer_watch = False  # set in a rank process that the launcher started
+
+
+def watch_peers_in_this_process() -> None:
+    """Have every RoundSync built in this process end it when a peer rank's process exits
+    (a rank the launcher started: no one else would stop it)."""
+    global _peer_watch
+    _peer_watch = True
 
 
 class RankError(EngineError):
@@ -63,9 +76,9 @@ class RoundSync:
         host = socket.gethostname()
         self.pids: dict[int, int] = {r: pid for r, (h, pid) in enumerate(where)
                                      if h == host and r != rank}
-        from asyncinfer.distributed.launch import watch_peers
-
-        watch_peers(self)
+        if _peer_watch:
+            threading.Thread(target=self._watch_peers, daemon=True,
+                             name="asyncinfer-tp-peers").start()
 
     @property
     def leader(self) -> bool:
@@ -121,6 +134,16 @@ class RoundSync:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
+
+    def _watch_peers(self) -> None:
+        """End the process, the reason logged, once another rank's process exits while the
+        ranks are not stopping (a collective would otherwise wait for it, under NCCL for good)."""
+        while not self.closing:
+            gone = self.lost()
+            if gone and not self.closing:
+                logger.error("tensor-parallel %s; rank %d stops", gone, self.rank)
+                os._exit(1)
+            time.sleep(0.2)
 
     def failure(self, exc: BaseException) -> RankError:
         """The error every rank stops with after ``exc`` broke a collective or a batch:
