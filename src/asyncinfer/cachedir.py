@@ -16,3 +16,10 @@ def cache_dir() -> Path:
         path = Path(xdg) / "asyncinfer"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def models_dir() -> Path:
+    """Where fetched and converted models live in the cache."""
+    path = cache_dir() / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
