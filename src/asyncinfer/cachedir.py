@@ -19,7 +19,6 @@ def cache_dir() -> Path:
 
 
 def models_dir() -> Path:
-    """Where fetched and converted models live in the cache."""
     path = cache_dir() / "models"
     path.mkdir(parents=True, exist_ok=True)
     return path
