@@ -1,17 +1,8 @@
 """Chat with a running ``asyncinfer serve`` through the official ``openai`` client: one
-answer whole, then the same question streamed, token by token.
-
-asyncinfer serves OpenAI's API (``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models``), so the client needs only its ``base_url``. Start a server, then:
+answer whole, then the same question streamed (greedy: the same text).
 
     asyncinfer serve --port 8000                                # another terminal
     python examples/openai_chat.py "What is the capital of France?"
-    python examples/openai_chat.py --base-url http://host:8000/v1 --model NAME --max-tokens 64
-
-``--base-url`` defaults to ``$OPENAI_BASE_URL``, else http://127.0.0.1:8000/v1; ``--model``
-to ``$OPENAI_MODEL``, else the first model the server lists; the key to
-``$OPENAI_API_KEY`` (what ``serve --api-key`` expects; any value when it has none).
-Greedy by default (``--temperature 0``), so both answers are the same text.
 """
 
 from __future__ import annotations
@@ -46,8 +37,7 @@ def ask(client: OpenAI, model: str, messages: list[dict[str, str]], max_tokens: 
 
 def ask_streaming(client: OpenAI, model: str, messages: list[dict[str, str]],
                   max_tokens: int, temperature: float) -> Answer:
-    """The answer as server-sent events, printed as they arrive; the last event carries
-    the usage (``stream_options``)."""
+    """The answer as server-sent events, printed as they come (the last carries the usage)."""
     pieces: list[str] = []
     finish: str | None = None
     tokens: int | None = None
@@ -91,10 +81,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("prompt", nargs="?", default="What is the capital of France?")
     parser.add_argument("--base-url", default=os.environ.get(
-        "OPENAI_BASE_URL", "http://127.0.0.1:8000/v1"))
+        "OPENAI_BASE_URL", "http://127.0.0.1:8000/v1"),
+                        help="default: $OPENAI_BASE_URL, else http://127.0.0.1:8000/v1")
     parser.add_argument("--model", default=os.environ.get("OPENAI_MODEL"),
-                        help="served model name (default: the first the server lists)")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"))
+                        help="served model name (default: $OPENAI_MODEL, else the first "
+                        "the server lists)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"),
+                        help="what `serve --api-key` expects (default: $OPENAI_API_KEY; "
+                        "any value when it has none)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args(argv)

@@ -1,8 +1,4 @@
-"""The seed chapter's run: five prompts, continuous batching, one line per scheduler round.
-
-With prefill_first and the naive cache, all five prompts prefill together; the request
-with max_tokens=1 finishes there and the others leave the decode batch one by one:
-prefill of 5, then decodes of 4, 3, 3, 2, 1. Each output is checked against transformers.
+"""Continuous batching, a line per round: prefill 5, decode 4, 3, 3, 2, 1; checked vs HF.
 
     python examples/scheduling_trace.py
 """

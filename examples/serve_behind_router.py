@@ -1,17 +1,8 @@
-"""Data parallelism: ``asyncinfer serve --dp 2`` runs two engine replicas behind
-sglang-router, and clients talk to the router as to one server.
+"""Data parallelism: ``asyncinfer serve --dp 2``, two replicas behind sglang-router; chat
+through the router, count what each replica served, stop with Ctrl-C.
 
-This starts the launcher, waits until the router lists both replicas as healthy, sends a
-few chat requests through the router, reads from each replica's ``/metrics`` how many it
-served, and stops everything with Ctrl-C (SIGINT), as a terminal would:
-
-    pip install 'asyncinfer[router]'        # sglang-router
-    python examples/serve_behind_router.py                       # the embedded model
-    python examples/serve_behind_router.py --router-policy round_robin --requests 6 \\
-        --model PATH --dtype float32 --kv-cache-gb 0.5
-
-Flags this script does not know are passed to ``asyncinfer serve`` as they are (the model
-and engine options, ``--router-policy``, ``--router-args``, ...).
+    pip install 'asyncinfer[router]'
+    python examples/serve_behind_router.py --router-policy round_robin --requests 6
 """
 
 from __future__ import annotations
@@ -58,9 +49,8 @@ def served(replica: str) -> tuple[int, int]:
 
 def start(dp: int, port: int, serve_args: Sequence[str]
           ) -> tuple[subprocess.Popen[str], threading.Event]:
-    """``asyncinfer serve --dp N``, returned once it says it serves. Its output (the
-    replicas' and the router's logs) is echoed until the returned event is set; from then
-    on it is read and dropped (the router's health-check warnings while the replicas stop)."""
+    """``asyncinfer serve --dp N`` once it serves; its output echoed until the returned
+    event is set, then read and dropped."""
     cmd = [sys.executable, "-m", "asyncinfer.cli", "serve", "--dp", str(dp),
            "--port", str(port), *serve_args]
     print("$ asyncinfer " + " ".join(cmd[3:]), flush=True)
@@ -86,9 +76,8 @@ def start(dp: int, port: int, serve_args: Sequence[str]
 
 def run(dp: int = 2, port: int = 8000, requests: int = 4, max_tokens: int = 16,
         serve_args: Sequence[str] = ()) -> dict[str, Any]:
-    """Start ``dp`` replicas behind the router on ``port``, send ``requests`` chat requests
-    through it, stop it. What happened: the replicas' URLs, the answers (text and
-    completion tokens), each replica's request and token counts, the launcher's exit code."""
+    """Start ``dp`` replicas behind the router on ``port``, send ``requests`` chats, stop:
+    the replicas, answers, each replica's counts and the exit code."""
     launcher, quiet = start(dp, port, serve_args)
     router = f"http://127.0.0.1:{port}"
     try:

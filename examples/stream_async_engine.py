@@ -1,14 +1,7 @@
-"""Stream text from ``AsyncEngine`` as it is generated: one request, then several at once.
+"""Stream text from ``AsyncEngine`` as it is generated: one request, then several at once
+(their deltas interleave: they share the batches).
 
-``engine.stream(prompt, params)`` is an async iterator of ``StreamDelta``s: each carries the
-text (and token ids) produced since the last one, and the last also carries the request's
-``RequestOutput``. Requests streamed concurrently share the engine's batches, so their
-deltas arrive interleaved, round by round.
-
-    python examples/stream_async_engine.py                      # the embedded model
     python examples/stream_async_engine.py --model PATH --max-tokens 32 --dtype float32
-
-Every engine option is a flag too (``--help`` lists them), generated from ``EngineConfig``.
 """
 
 from __future__ import annotations
@@ -43,8 +36,7 @@ async def stream_one(engine: AsyncEngine, prompt: str, params: SamplingParams
 
 async def stream_many(engine: AsyncEngine, prompts: Sequence[str], params: SamplingParams
                       ) -> tuple[list[int], list[RequestOutput]]:
-    """Stream every prompt at once; the order in which deltas arrived (by prompt index)
-    and the outputs. Each delta is printed as ``[i] text`` when it comes."""
+    """Stream every prompt at once; the prompt index of each delta as it came, the outputs."""
     arrivals: list[int] = []
 
     async def one(i: int, prompt: str) -> RequestOutput:
@@ -61,9 +53,7 @@ async def stream_many(engine: AsyncEngine, prompts: Sequence[str], params: Sampl
 
 async def run(max_tokens: int = 24, prompts: Sequence[str] = PROMPTS, **options: Any
               ) -> tuple[tuple[list[str], RequestOutput], tuple[list[int], list[RequestOutput]]]:
-    """One stream, then all ``prompts`` streamed concurrently, greedy and to ``max_tokens``
-    tokens each (EOS ignored, so every stream is as long). ``options`` are the engine's
-    (``model``: a local directory, None for the embedded model)."""
+    """One stream, then all ``prompts`` at once, greedy, ``max_tokens`` each (EOS ignored)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     async with AsyncEngine(**options) as engine:
         print("one stream:")

@@ -247,6 +247,47 @@ def test_a_killed_rank_ends_every_request_with_its_name(tiny_llama_dir: Path) ->
     assert set(os.listdir("/dev/shm")) <= shared_memory
 
 
+def _sit_in_sync(rank: int) -> None:
+    """A launched rank's work: build the round channel, then rank 2 exits and rank 1 waits
+    in no collective, so only the peer watch can end it."""
+    import time
+
+    from asyncinfer.distributed.sync import RoundSync
+
+    RoundSync(rank, 3)
+    if rank == 2:
+        time.sleep(2)  # let the others leave the channel's all-gather first
+        os._exit(3)
+    time.sleep(120)
+
+
+def _lead_three_ranks(out: str) -> None:
+    from asyncinfer.distributed.launch import Ranks
+    from asyncinfer.distributed.sync import RoundSync
+
+    ranks = Ranks.launch(3, "gloo", _sit_in_sync, ())
+    RoundSync(0, 3)
+    rank1, rank2 = ranks.processes
+    rank1.join(60)
+    rank2.join(5)
+    Path(out).write_text(json.dumps([rank1.exitcode, rank2.exitcode]))
+    os._exit(0)  # the group is broken: no teardown
+
+
+def test_a_launched_rank_stops_when_another_ranks_process_is_gone(tmp_path: Path) -> None:
+    """Rank 2 exits while rank 1 waits in no collective: rank 1 ends (exit status 1), as
+    it would inside an NCCL collective that never returns."""
+    out = tmp_path / "exits.json"
+    leader = multiprocessing.get_context("spawn").Process(target=_lead_three_ranks,
+                                                          args=(str(out),))
+    leader.start()
+    leader.join(240)
+    if leader.is_alive():
+        leader.kill()  # its ranks follow it (they watch rank 0's process)
+    assert leader.exitcode == 0
+    assert json.loads(out.read_text()) == [1, 3]
+
+
 def test_vocabulary_rows_cover_the_vocabulary_once() -> None:
     for vocab, size in [(512, 2), (49152, 3), (10, 4), (7, 3)]:
         rows = [TensorParallel(r, size).vocab_rows(vocab) for r in range(size)]

@@ -89,7 +89,7 @@ def test_gguf_file_is_converted_once_and_cached(
         target.mkdir(parents=True)
         (target / "config.json").write_text("{}")
 
-    monkeypatch.setattr(source, "_convert_gguf", fake_convert)
+    monkeypatch.setattr("asyncinfer.models.convert.convert_gguf", fake_convert)
     first = source.resolve_model(str(gguf))
     second = source.resolve_model(str(gguf))
     assert first == second and calls == [gguf]

@@ -1,15 +1,7 @@
-"""The example policy at work: the order in which requests are admitted, under it and
-under the default ``prefill_first``.
-
-Five requests with different ``max_tokens`` arrive together at an engine with one request
-slot, so they run one after another in the order the policy picks: arrival order under
-``prefill_first``, fewest output tokens first under ``shortest_output_first``.
+"""Admission order of five requests, one slot, under the example policy and prefill_first.
 
     pip install --no-build-isolation examples/policy_plugin   # after asyncinfer: README.md
-    python examples/policy_plugin/demo.py                     # the embedded model
     python examples/policy_plugin/demo.py --model PATH --dtype float32
-
-Any engine option is a flag (``--help``), ``--model`` among them.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""The one exception hierarchy of asyncinfer; the server maps each class to an HTTP status."""
+"""Every error asyncinfer raises on purpose, one hierarchy; each class has its HTTP status."""
 
 from __future__ import annotations
 
 
 class AsyncInferError(Exception):
-    """Base of every error asyncinfer raises on purpose."""
-
     http_status = 500
 
 
 class InvalidRequestError(AsyncInferError, ValueError):
-    """A request or option the user can fix: bad sampling value, prompt too long, ...
-
-    ``param`` names the request field at fault, when there is one (the server reports it).
-    """
+    """A request or option the user can fix; ``param`` names the request field at fault."""
 
     http_status = 400
 
@@ -23,20 +18,14 @@ class InvalidRequestError(AsyncInferError, ValueError):
 
 
 class ModelNotFoundError(AsyncInferError):
-    """A model name, path or hub id that cannot be resolved to weights on this machine."""
-
     http_status = 404
 
 
 class UnsupportedModelError(AsyncInferError):
-    """A model whose architecture asyncinfer has no implementation for."""
-
     http_status = 400
 
 
 class EngineError(AsyncInferError):
-    """The engine failed while running a batch."""
-
     http_status = 500
 
 

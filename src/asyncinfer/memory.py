@@ -1,15 +1,4 @@
-"""Host buffers in 2 MiB pages, for the big tensors a CPU decode step reads end to end.
-
-A decode step on a CPU streams the whole KV pool's live pages and every packed weight from
-memory. In 4 KiB pages that is a TLB miss every 4 KiB, and under a hypervisor each miss
-walks two page tables. Linux backs an anonymous mapping with 2 MiB pages where asked
-(``madvise(MADV_HUGEPAGE)``; transparent huge pages in their default ``madvise`` mode), and
-a buffer asked before its first touch gets them as it is written. The AMX products of one
-step read their weights about a tenth faster from such pages.
-
-Where the system gives no huge pages (another OS, THP off, ``madvise`` refused), these are
-plain tensors: nothing else changes.
-"""
+"""Host buffers in 2 MiB pages where the system allows (docs/architecture.md, 'Huge pages')."""
 
 from __future__ import annotations
 
@@ -21,8 +10,7 @@ import sys
 
 import torch
 
-HUGE_PAGE = 2 << 20
-"""Bytes in one huge page (x86-64's and arm64's usual 2 MiB)."""
+HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's usual huge page
 
 _MADV_HUGEPAGE = 14
 _ALIGN = 64  # bytes: a cache line, and what the CPU kernels' vector loads want
@@ -43,9 +31,8 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def empty_huge(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized contiguous CPU tensor whose memory is asked to be 2 MiB pages (its
-    whole huge pages: a buffer under one huge page is a plain tensor). Write it before
-    reading: the pages are made as it is first written."""
+    """An uninitialized CPU tensor whose whole 2 MiB pages are asked to be huge pages (made
+    as it is first written)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise()
@@ -53,15 +40,13 @@ def empty_huge(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor
         return torch.empty(shape, dtype=dtype)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
-    # A refusal (THP off, an old kernel) leaves ordinary pages: nothing to report.
     madvise(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 class Slab:
-    """One huge-page buffer of a size known in advance, handed out front to back in slices
-    aligned to 64 bytes: many tensors of under 2 MiB each (a model's packed weights) in
-    huge pages together. The buffer lives as long as any slice of it."""
+    """One huge-page buffer handed out front to back in 64-byte aligned slices (small packed
+    weights in huge pages together); it lives as long as any slice of it."""
 
     def __init__(self, sizes: list[tuple[int, torch.dtype]]) -> None:
         self._buf = empty_huge(sum(self._padded(n, d) for n, d in sizes), torch.uint8)

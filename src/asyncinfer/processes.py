@@ -18,12 +18,8 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def watch_exit(pid: int, callback: Callable[[], None]) -> Callable[[], None]:
-    """Call ``callback`` on the running loop once process ``pid`` has exited (at once if it
-    is already gone); returns a function that stops watching.
-
-    On Linux a pidfd becomes readable when the process exits, whoever its parent is; where
-    there is none, the process is polled every 0.2 s.
-    """
+    """Call ``callback`` on the running loop once process ``pid`` has exited (a pidfd, else
+    polled every 0.2 s); returns a function that stops watching."""
     loop = asyncio.get_running_loop()
     try:
         fd = os.pidfd_open(pid)

@@ -1,8 +1,4 @@
-"""Text in, token ids out, and back: a thin wrapper over a Hugging Face tokenizer.
-
-The ``IncrementalDetokenizer`` turns generated ids into text deltas that never split a UTF-8
-character and never leak a stop string.
-"""
+"""Text to token ids and back over a Hugging Face tokenizer, and streamed text deltas."""
 
 from __future__ import annotations
 
@@ -16,9 +12,7 @@ from typing import Any
 from asyncinfer.errors import InvalidRequestError, ModelNotFoundError
 from asyncinfer.params import SamplingParams
 
-# Prompt tokens decoded in front of the first generated ones, so a decoder that strips a
-# leading space (SentencePiece) sees the same boundary as it would mid-text.
-_CONTEXT_TOKENS = 5
+_CONTEXT_TOKENS = 5  # prompt ids decoded before the first output (SentencePiece's space)
 _REPLACEMENT = "\ufffd"
 
 
@@ -50,30 +44,18 @@ class Tokenizer:
 
     @functools.cached_property
     def max_token_chars(self) -> int:
-        """The most characters one token can stand for: the vocabulary's longest entry.
-
-        Byte-level and SentencePiece vocabularies spell each token with at least one symbol
-        per character it covers, so a text of more than ``n * max_token_chars`` characters
-        cannot be ``n`` tokens or fewer.
-        """
+        """The longest vocabulary entry (docs/architecture.md, 'Tokenizer bounds')."""
         return max((len(token) for token in self.hf.get_vocab()), default=1)
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``, with the special tokens the tokenizer adds by default.
-
-        With ``special_tokens=False`` the text of a special token (``<|im_end|>``) in
-        ``text`` is tokenized as plain text, so untrusted text cannot make control tokens.
-        """
+        """Token ids of ``text``; with ``special_tokens=False`` a special token's text
+        (``<|im_end|>``) is plain text, so untrusted text cannot make control tokens."""
         return list(self.hf.encode(text, split_special_tokens=not special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, str]],
                             special_tokens: bool = True) -> list[int]:
-        """Token ids of a chat rendered by the model's template, ending in the assistant turn.
-
-        With ``special_tokens=False`` the messages' content is tokenized as plain text: the
-        template's own control tokens stay, but text in a message that spells one does not
-        become it (a user cannot close their turn and open a system one).
-        """
+        """Token ids of the chat in the model's template, ending in the assistant turn; with
+        ``special_tokens=False`` the contents are plain text, the template's tokens stay."""
         if not getattr(self.hf, "chat_template", None):
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template; send a plain prompt instead")
@@ -106,8 +88,7 @@ class Tokenizer:
         return tuple(t for t in self.hf.get_added_vocab() if t)
 
     def _render_content_as_text(self, messages: list[dict[str, str]]) -> list[int]:
-        """Render with a placeholder per content, then tokenize the template's text with its
-        control tokens and each content as plain text, in order."""
+        """Rendered with a placeholder per content; the template tokenized, contents as text."""
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         while any(self._clash(m["content"], marks) for m in messages):
             marks = [mark + "\ue002" for mark in marks]
@@ -152,10 +133,8 @@ def _generation_eos_ids(path: Path) -> list[int]:
 
 
 class IncrementalDetokenizer:
-    """Turns the generated token ids of one request, pushed as they come, into text deltas.
-
-    Every delta keeps the emitted text a prefix of the final text; ``finish`` flushes the rest.
-    """
+    """One request's generated ids, pushed as they come, as text deltas. Invariant: the
+    emitted text is a prefix of the final text (no split character, no stop string)."""
 
     def __init__(
         self, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: Sequence[int] = ()
@@ -164,8 +143,7 @@ class IncrementalDetokenizer:
         self._skip_special = params.skip_special_tokens
         self._stops = params.stop
         self._hold = max((len(s) for s in self._stops), default=1) - 1
-        # The prompt tail is context only: it sits before read_offset, so it is never emitted.
-        self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])  # context: never emitted
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._decoded = ""  # stable text: never changes once appended
@@ -194,18 +172,16 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _decode_window(self, final: bool) -> str:
-        """New stable text from ids[read_offset:], decoded after the previous chunk as context."""
+        """New stable text of ids[read_offset:], decoded after the previous chunk."""
         if not final and self._read_offset == len(self._ids):
             return ""
         decode = self._tokenizer.decode
         prefix_text = decode(self._ids[self._prefix_offset : self._read_offset],
                              self._skip_special)
         window_text = decode(self._ids[self._prefix_offset :], self._skip_special)
-        # A trailing U+FFFD is (usually) a character whose remaining bytes are still to come.
-        if not final and window_text.endswith(_REPLACEMENT):
+        if not final and window_text.endswith(_REPLACEMENT):  # a character's bytes to come
             return ""
-        if len(window_text) <= len(prefix_text):
-            # Tokens that decode to nothing (skipped specials): keep the old context window.
+        if len(window_text) <= len(prefix_text):  # ids that decode to nothing: same window
             if final:
                 self._read_offset = len(self._ids)
             return ""
@@ -216,8 +192,7 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         """Emit what stop strings allow: cut at a match, else keep back a possible partial."""
         if self._stops:
-            # A new match must end in the new text, so it starts at most len(stop)-1 before it.
-            start = max(self._emitted - self._hold, 0)
+            start = max(self._emitted - self._hold, 0)  # a new match ends in the new text
             matches = [(i, s) for s in self._stops if (i := self._decoded.find(s, start)) >= 0]
             if matches:
                 cut, self.stop_reason = min(matches, key=lambda m: m[0])

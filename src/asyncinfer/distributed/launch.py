@@ -1,15 +1,5 @@
-"""Starting the ranks of a tensor-parallel engine from its rank-0 process.
-
-An engine asked for ``size`` ranks in a process that has no torch.distributed group yet
-starts the other ranks itself: ``size - 1`` spawned processes, each joining a group on a
-free local port (NCCL on CUDA, gloo on CPU) and running ``entry(rank, *args)``, which builds
-its own engine and follows rank 0. This process becomes rank 0 once they have all joined.
-
-The ranks ignore SIGINT (rank 0's process decides what a Ctrl-C stops) and print every
-thread's stack on SIGUSR1 (what a rank that seems stuck is waiting in), and stop when rank 0
-stops them, when a collective fails because another rank is gone, or at once if rank 0's
-process exits first: no rank outlives the process that started it.
-"""
+"""Rank 0 starts ranks 1..size-1 of a tensor-parallel engine as spawned processes. No rank
+outlives the process that started it (docs/architecture.md, 'Starting the ranks')."""
 
 from __future__ import annotations
 
@@ -22,12 +12,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from asyncinfer.distributed.sync import watch_peers_in_this_process
 from asyncinfer.errors import EngineError
-
-if TYPE_CHECKING:
-    from asyncinfer.distributed.sync import RoundSync
 from asyncinfer.processes import describe_exit, has_exited
 
 logger = logging.getLogger(__name__)
@@ -47,17 +35,14 @@ class Ranks:
 
     def __init__(self, processes: list[Any]) -> None:
         self.processes = processes
-        # Several threads may ask how a rank ended at once (the loop's watcher, the thread
-        # whose collective failed); reaping a child twice at once would lose its status.
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # reaping a child twice at once loses its status
         self._ended: dict[int, str] = {}
 
     @classmethod
     def launch(cls, size: int, backend: str, entry: Callable[..., None],
                args: tuple[Any, ...]) -> Ranks:
-        """Start ranks 1..size-1 running ``entry(rank, *args)`` and join the group with
-        them as rank 0; a rank that exits before the group is formed is an EngineError
-        naming it."""
+        """Start ranks 1..size-1 running ``entry(rank, *args)`` and join their group as rank
+        0; a rank that exits before the group forms is an EngineError naming it."""
         import torch.distributed as dist
 
         port = _free_port()
@@ -77,8 +62,7 @@ class Ranks:
             except BaseException as exc:
                 failure.append(exc)
 
-        # Joining blocks until every rank has; a rank that dies first would leave it
-        # waiting, so it joins in a thread while the ranks are watched.
+        # Joined in a thread while the ranks are watched: one dying first would block it.
         joining = threading.Thread(target=join, name="asyncinfer-tp-join", daemon=True)
         joining.start()
         deadline = time.monotonic() + START_TIMEOUT
@@ -100,8 +84,7 @@ class Ranks:
         return ranks
 
     def lost(self) -> str | None:
-        """The first rank whose process has exited, in words ("rank 1 (pid 42) was killed
-        by SIGKILL"); None while all run."""
+        """The first rank whose process has exited, in words; None while all run."""
         for rank, process in enumerate(self.processes, start=1):
             if process.exitcode is not None:
                 return self.describe(rank)
@@ -120,8 +103,7 @@ class Ranks:
             return self._ended[rank]
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        """Wait up to ``timeout`` seconds for the ranks to exit (rank 0 has told them to
-        stop), then terminate and kill those that have not."""
+        """Wait up to ``timeout`` s for the ranks (told to stop) to exit, then kill the rest."""
         deadline = time.monotonic() + timeout
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
@@ -137,12 +119,8 @@ class Ranks:
 
 
 def leave_group(timeout: float = LEAVE_TIMEOUT) -> bool:
-    """Leave the process group (every group of this process); False, with the group
-    aborted instead, if that did not end within ``timeout`` seconds.
-
-    NCCL's orderly teardown waits for every rank, and a rank stuck in a collective that its
-    peers never join would keep it waiting for good: a stopping engine must not hang on it.
-    """
+    """Leave every process group; False, the group aborted instead, if that takes over
+    ``timeout`` s (NCCL's teardown waits for a rank stuck in a collective for good)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -181,33 +159,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-_launched_rank: int | None = None  # set in a process this module started
-
-
-def watch_peers(sync: RoundSync) -> None:
-    """In a rank this module started: end the process, with the reason logged, as soon as
-    another rank's process exits while the ranks are not stopping (the collective this rank
-    may be waiting in would otherwise wait for a rank that is gone, under NCCL for good)."""
-    if _launched_rank is None:
-        return
-
-    def watch() -> None:
-        while not sync.closing:
-            gone = sync.lost()
-            if gone and not sync.closing:
-                logger.error("tensor-parallel %s; rank %d stops", gone, sync.rank)
-                os._exit(1)
-            time.sleep(0.2)
-
-    threading.Thread(target=watch, daemon=True, name="asyncinfer-tp-peers").start()
-
-
 def _rank_main(rank: int, size: int, port: int, backend: str, leader: int,
                entry: Callable[..., None], args: tuple[Any, ...]) -> None:
-    """A rank's process: join the group, run ``entry``; exit 1 with the reason logged if it
-    fails. A watcher ends the process if rank 0's process exits without telling it."""
-    global _launched_rank
-    _launched_rank = rank
+    """A rank's process: join the group, run ``entry``; exit 1, the reason logged, if it
+    fails or rank 0's process exits."""
+    watch_peers_in_this_process()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [tp{rank}] %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,17 +1,4 @@
-"""One model over ``size`` ranks (Megatron's split): what this rank holds and how the ranks
-combine their parts.
-
-Column-parallel projections (q, k, v, gate, up) keep rows ``rank`` of ``size`` of their
-weights: each rank computes its own heads and its slice of the MLP. Row-parallel ones
-(o, down) keep the matching columns; their partial outputs are summed over the ranks
-(``all_reduce``) and their bias added once. The embedding and the LM head are split by
-vocabulary: a token's embedding comes from the rank holding its row (the others add zeros),
-and each rank's logits for its rows are gathered into the full vocabulary
-(``gather_vocab``), so every rank sees the same logits and samples the same tokens.
-
-The process group is torch.distributed's default one, set up before the engine (gloo on
-CPU, NCCL on CUDA); with ``size == 1`` nothing is communicated.
-"""
+"""A rank's part of a Megatron-split model (docs/architecture.md, 'Tensor-parallel split')."""
 
 from __future__ import annotations
 
@@ -25,16 +12,13 @@ from asyncinfer.errors import ConfigError
 
 @frozen
 class TensorParallel:
-    """This process's rank among ``size`` tensor-parallel ranks."""
-
     rank: int = 0
     size: int = 1
     group: Any = None
 
     @classmethod
     def join(cls, size: int) -> TensorParallel:
-        """The rank of this process in torch.distributed's default group, which must hold
-        exactly ``size`` processes (size 1: no group needed)."""
+        """This process's rank in torch.distributed's default group of ``size`` processes."""
         if size == 1:
             return cls()
         import torch.distributed as dist
@@ -63,8 +47,7 @@ class TensorParallel:
         return tensor.narrow(dim, self.rank * per, per)
 
     def vocab_rows(self, vocab: int) -> tuple[int, int]:
-        """First row and row count of this rank's slice of a vocabulary of ``vocab``
-        (``ceil(vocab / size)`` rows each; the last rank may hold fewer)."""
+        """First row and row count of this rank's ``ceil(vocab / size)`` vocabulary rows."""
         per = -(-vocab // self.size)
         start = min(self.rank * per, vocab)
         return start, min(per, vocab - start)

@@ -1,22 +1,13 @@
-"""What keeps the ranks' engines in step: each round, rank 0 shares what arrived (new
-requests, aborts, a stop) and every rank applies the same list; then every rank forms its
-batch itself, and a digest of it (with the tokens the previous batch sampled) is compared
-across the ranks.
-
-Both travel on a gloo group of their own, apart from the model's collectives (which the
-device's forward runs, possibly in another thread at the same time). That group waits as
-long as it takes: the other ranks wait in it for as long as rank 0 has nothing to do.
-
-A collective fails at once when a rank's process is gone (its connections close); the
-error then names that rank, found through the pids the ranks exchanged at start.
-"""
+"""What keeps the ranks' engines in step, round by round (docs/architecture.md, 'Rank sync')."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
 import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -25,8 +16,17 @@ from typing import Any
 from asyncinfer.errors import EngineError
 from asyncinfer.processes import has_exited
 
-# How long the sync group's collectives wait: the followers wait in one while rank 0 idles.
-IDLE_TIMEOUT = timedelta(days=365)
+logger = logging.getLogger(__name__)
+
+IDLE_TIMEOUT = timedelta(days=365)  # the followers wait in a collective while rank 0 idles
+
+_peer_watch = False  # set in a rank process that the launcher started
+
+
+def watch_peers_in_this_process() -> None:
+    """Have this process's RoundSync end it when a peer rank exits (a launched rank)."""
+    global _peer_watch
+    _peer_watch = True
 
 
 class RankError(EngineError):
@@ -34,18 +34,15 @@ class RankError(EngineError):
 
 
 class RankDivergedError(RankError):
-    """Two ranks formed different batches: their all-reduces would add up different
-    requests. Every rank stops."""
+    """Two ranks formed different batches (their all-reduces would mix requests)."""
 
 
 class RankLostError(RankError):
-    """A tensor-parallel rank's process is gone: no rank can compute without it, so every
-    rank stops, and the requests end as "unavailable" (HTTP 503)."""
+    """A rank's process is gone: every rank stops, its requests "unavailable" (HTTP 503)."""
 
 
 class RoundSync:
-    """The per-round channel of ``size`` ranks; this process is ``rank``. ``describe``
-    (rank 0, which started the others) names a rank that is gone with its exit status."""
+    """The per-round channel of ``size`` ranks; ``describe`` names a rank gone (on rank 0)."""
 
     def __init__(self, rank: int, size: int, group: Any = None, check_every: int = 1,
                  describe: Any = None) -> None:
@@ -59,13 +56,12 @@ class RoundSync:
         self.closing = False  # set once the ranks are told to stop: exits are expected
         where: list[Any] = [None] * size
         dist.all_gather_object(where, (socket.gethostname(), os.getpid()), group=self.group)
-        # The processes of the ranks on this host (pids elsewhere mean nothing here).
-        host = socket.gethostname()
+        host = socket.gethostname()  # pids of other hosts mean nothing here
         self.pids: dict[int, int] = {r: pid for r, (h, pid) in enumerate(where)
                                      if h == host and r != rank}
-        from asyncinfer.distributed.launch import watch_peers
-
-        watch_peers(self)
+        if _peer_watch:
+            threading.Thread(target=self._watch_peers, daemon=True,
+                             name="asyncinfer-tp-peers").start()
 
     @property
     def leader(self) -> bool:
@@ -83,9 +79,7 @@ class RoundSync:
         return list(box[0])
 
     def check(self, fields: Callable[[], dict[str, Any]]) -> None:
-        """Compare this round's batch (``fields()``: its fields by name, picklable) across
-        the ranks, every ``check_every`` rounds (0: never); raise RankDivergedError naming
-        the round and the first field that differs."""
+        """Compare ``fields()`` across the ranks every ``check_every`` rounds (0: never)."""
         import torch.distributed as dist
 
         self.rounds += 1
@@ -110,8 +104,7 @@ class RoundSync:
             f"{batches[first].get(field)!r} on rank {first}")
 
     def lost(self, wait: float = 0.0) -> str | None:
-        """The first other rank whose process has exited, in words, waiting up to ``wait``
-        seconds for one to (a collective can fail a moment before the exit is seen)."""
+        """The first other rank whose process has exited, in words, waiting up to ``wait`` s."""
         deadline = time.monotonic() + wait
         while True:
             for rank, pid in self.pids.items():
@@ -122,10 +115,18 @@ class RoundSync:
                 return None
             time.sleep(0.05)
 
+    def _watch_peers(self) -> None:
+        """End the process once another rank's exits while the ranks are not stopping."""
+        while not self.closing:
+            gone = self.lost()
+            if gone and not self.closing:
+                logger.error("tensor-parallel %s; rank %d stops", gone, self.rank)
+                os._exit(1)
+            time.sleep(0.2)
+
     def failure(self, exc: BaseException) -> RankError:
-        """The error every rank stops with after ``exc`` broke a collective or a batch:
-        RankLostError naming the rank that is gone, if one is, else a RankError naming
-        this rank (its batch cannot be retried alone: the others ran theirs)."""
+        """What every rank stops with after ``exc`` broke a collective or a batch: a
+        RankLostError naming the rank gone, else a RankError (no rank can retry alone)."""
         if isinstance(exc, RankError):
             return exc
         gone = self.lost(wait=1.0)

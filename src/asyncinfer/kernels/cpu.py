@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from asyncinfer.cache import cache_dir
+from asyncinfer.cachedir import cache_dir
 from asyncinfer.memory import Slab
 
 logger = logging.getLogger(__name__)

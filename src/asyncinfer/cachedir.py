@@ -16,3 +16,9 @@ def cache_dir() -> Path:
         path = Path(xdg) / "asyncinfer"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def models_dir() -> Path:
+    path = cache_dir() / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
