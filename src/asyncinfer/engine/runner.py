@@ -37,8 +37,8 @@ import torch
 from attrs import frozen
 
 from asyncinfer.attention.base import AttentionContext, AttentionSpec
+from asyncinfer.attention.host_to_device import upload
 from asyncinfer.attention.registry import backend_class
-from asyncinfer.attention.transfer import upload
 from asyncinfer.config import EngineConfig, ModelConfig
 from asyncinfer.core import Batch, ForwardOutput
 from asyncinfer.distributed.parallel import TensorParallel
