@@ -66,8 +66,14 @@ def _edited(model_dir: Path, target: Path, **fields: Any) -> Path:
      "rope_type='dynamic'"),
 ])
 def test_a_llama_field_that_is_not_implemented_is_refused_by_name(
-        tiny_llama_dir: Path, tmp_path: Path, fields: dict[str, Any], named: str) -> None:
+        tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        fields: dict[str, Any], named: str) -> None:
+    """Refused before any weight is read."""
+    def load_model(*args: object) -> None:
+        raise AssertionError("the weights loaded before the config was checked")
+
     model_dir = _edited(tiny_llama_dir, tmp_path / "model", **fields)
+    monkeypatch.setattr("asyncinfer.engine.runner.ModelRunner._load_model", load_model)
     with pytest.raises(UnsupportedModelError, match=re.escape(named)):
         LLM(str(model_dir), skip_tokenizer_init=True, dtype="float32", num_pages=64)
 
