@@ -260,10 +260,10 @@ def test_the_bf16_engine_on_the_kernels_is_as_close_to_fp32_transformers_as_torc
     compared: bf16 rounding flips near-ties either way.)"""
     import random
 
-    from asyncinfer.models import llama
+    from asyncinfer.layers import packing
 
     if not plain_copy:
-        monkeypatch.setattr(llama, "keeps_both_copies", lambda weight_bytes: False)
+        monkeypatch.setattr(packing, "keeps_both_copies", lambda weight_bytes: False)
 
     from asyncinfer.kernels.cpu import NativeKernels
     from asyncinfer.layers.linear import can_pack
@@ -276,7 +276,7 @@ def test_the_bf16_engine_on_the_kernels_is_as_close_to_fp32_transformers_as_torc
     errors, agreements = [], []
     for cpu_kernels in (True, False):
         runner, logits = _bf16_decode_logits(smollm2_dir, seqs, cpu_kernels)
-        uses = isinstance(getattr(runner.model.ops.silu_mul, "__self__", None), NativeKernels)
+        uses = isinstance(getattr(runner.model.ops.act, "__self__", None), NativeKernels)
         kernels = native.load()
         assert uses == (cpu_kernels and kernels is not None)
         # Prompts take the AMX prefill kernel where it builds (SmolLM2: 9 heads of 64 on 3).
@@ -396,7 +396,7 @@ def test_the_engine_multiplies_on_our_kernels_where_the_cpu_has_them(smollm2_dir
             assert (packed.kernels is not None) == ours
             wide = ours and kernels.products == "avx512"
             assert (module.packed_rows is None) == (module.weight.numel() == 0 or wide)
-    head = runner.model.tied_packed  # SmolLM2 ties its head to the embedding
+    head = runner.model.lm_head.packed  # SmolLM2 ties its head to the embedding
     assert (head is not None) == can_pack(torch.bfloat16)
     if head is not None:
         assert (head.kernels is not None) == ours

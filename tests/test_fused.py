@@ -24,7 +24,7 @@ def _llm(model_dir: Path, compile_ops: bool) -> LLM:
     llm = LLM(str(model_dir), skip_tokenizer_init=True, dtype="float32",
               max_running_requests=8, max_seq_len=256, num_pages=400)
     if compile_ops:
-        llm.runner.model.compile_layer_ops(llm.runner.pool, backend="aot_eager")
+        llm.runner.compile_layer_ops(backend="aot_eager")
         llm.runner.sampler = Sampler(0, compile=True, backend="aot_eager")
     return llm
 

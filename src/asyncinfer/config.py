@@ -54,9 +54,14 @@ def _dtype_name(name: str) -> str:
             f"got {name!r}") from None
 
 
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""config.json's names for the expert count of a mixture-of-experts model."""
+
+
 @frozen
 class ModelConfig:
-    """The shape of a decoder-only model, read from a Hugging Face config.json."""
+    """The shape of a decoder-only model and every config.json field that changes its
+    computation (a family refuses the values it does not implement: ``models.registry``)."""
 
     architecture: str
     vocab_size: int
@@ -71,6 +76,15 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     hf_config: Any = field(eq=False, repr=False)
+    hidden_act: str = "silu"
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # None: no layer attends through a window
+    rope_type: str = "default"
+    partial_rotary_factor: float = 1.0
+    num_experts: int = 0
+    experts_field: str = ""
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
     def sharded(self, ranks: int) -> ModelConfig:
         """The shape one of ``ranks`` tensor-parallel ranks holds: its share of the attention
@@ -91,6 +105,9 @@ class ModelConfig:
         if not archs:
             raise UnsupportedModelError(f"{path}/config.json names no architecture")
         heads = hf.num_attention_heads
+        rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+        experts = [(n, int(getattr(hf, n, 0) or 0)) for n in EXPERT_FIELDS]
+        experts_field, num_experts = max(experts, key=lambda e: e[1])
         return cls(
             architecture=archs[0],
             vocab_size=hf.vocab_size,
@@ -105,6 +122,16 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)),
             hf_config=hf,
+            hidden_act=str(getattr(hf, "hidden_act", "silu")),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            sliding_window=_sliding_window(hf),
+            rope_type=_rope_type(rope),
+            partial_rotary_factor=float(getattr(hf, "partial_rotary_factor", None)
+                                        or rope.get("partial_rotary_factor") or 1.0),
+            num_experts=num_experts,
+            experts_field=experts_field if num_experts else "",
+            final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
+            attn_logit_softcapping=getattr(hf, "attn_logit_softcapping", None),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -113,6 +140,24 @@ class ModelConfig:
 
         item = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
+
+
+def _rope_type(rope: Mapping[str, Any]) -> str:
+    """The rope type of config.json's rope parameters ("per-layer": one set per layer type)."""
+    if rope and all(isinstance(v, Mapping) for v in rope.values()):
+        return "per-layer"
+    return str(rope.get("rope_type") or rope.get("type") or "default")
+
+
+def _sliding_window(hf: Any) -> int | None:
+    """The attention window some layer uses, or None (off, or no layer of sliding type)."""
+    window = getattr(hf, "sliding_window", None)
+    if window is None or getattr(hf, "use_sliding_window", True) is False:
+        return None
+    types = getattr(hf, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
 
 
 # ---- declaring an option ---------------------------------------------------------------------
@@ -219,40 +264,8 @@ class EngineConfig:
     """How to run a model: device, dtype, KV cache geometry, limits and scheduling.
 
     Each field is one option of ``LLM(...)`` and ``AsyncEngine(...)`` and, through
-    :mod:`asyncinfer.options`, one flag of ``asyncinfer serve``, ``generate`` and ``bench``;
-    its help text there is the one declared here.
-
-    ``kv_cache_gb`` sizes the page pool from a memory budget; ``num_pages`` overrides it.
-    Unset on a GPU, the pool takes what ``gpu_memory_utilization`` (the fraction of the
-    device's memory the engine may hold in all) leaves after weights and activations; on a
-    CPU it defaults to 2 GiB.
-    ``attention_backend`` is "flashinfer" (CUDA only), "torch" (SDPA, the reference) or
-    "auto": flashinfer on CUDA when it is installed (and the dtype is not float32, which
-    flashinfer has no kernels for), else torch. ``cuda_graph`` captures decode at a ladder
-    of batch sizes up to ``cuda_graph_max_bs`` (default: the running limit), and prefill
-    (and mixed) batches at a ladder of token counts up to ``cuda_graph_max_prefill_tokens``
-    (0: none), with the flashinfer backend; larger batches run eagerly. A replay costs the
-    host one launch where an eager forward launches every layer's kernels, which for a
-    small model takes longer than the device's own work on a prefill of a couple of
-    thousand tokens (measured: docs/benchmarks.md); 2048 covers the prefill rounds of
-    online serving (a few hundred to ~2k tokens), and every size captured holds memory.
-    ``torch_compile`` fuses the elementwise work between matrix products (norms, rotary,
-    SiLU, sampling) with torch.compile where that pays: on CUDA in half precision
-    (elsewhere it is ignored).
-    ``max_seq_len`` defaults to the model's context, capped at 8192 tokens.
-    ``max_extend_tokens`` is the prefill token budget of one round; with ``chunked_prefill``
-    a longer prompt is split across rounds, without it such a prompt is refused.
-    ``cpu_fp32_compute`` runs a bf16/fp16 model's matrix products and attention in float32
-    kernels on a CPU that lacks native half-precision units ("auto"), always ("on") or
-    never ("off"); values stay half-precision, only the kernels differ.
-    ``freeze_gc`` moves everything alive once the engine is built (modules, compiled
-    graphs, weights' wrappers: millions of objects) out of the garbage collector's reach
-    with ``gc.freeze()``; a full collection over them stalled a GPU engine for a third of a
-    second mid-run. None: on CUDA, where such a stall idles the device. Closing the engine
-    unfreezes the heap, so what it held can be collected.
-    ``policy`` names a registered scheduling policy, built with ``policy_options`` as its
-    keyword arguments; an engine given a Policy instance instead records its name here.
-    ``overlap`` lets the coordinator schedule and launch batch N+1 while batch N runs.
+    :mod:`asyncinfer.options`, one flag of ``asyncinfer serve``, ``generate`` and ``bench``,
+    with the help text declared here. See docs/architecture.md, 'Engine options'.
     """
 
     model: str | None = option(None, help="local model directory, .gguf file or hub id",

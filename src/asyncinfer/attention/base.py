@@ -1,25 +1,5 @@
 """The attention backend protocol and the context the model calls attention through.
-
-A backend turns one batch into metadata once (``plan``) and attends with it in every layer
-(``forward``). Backends that can be captured in CUDA graphs (``capturable``) also keep static
-metadata per captured graph and refill it for the real batch before each replay;
-``engine.cuda_graph`` drives those through this protocol alone. The runner picks a backend
-class by name from ``attention.registry``.
-
-==================================  =========================================================
-member                              what it does
-==================================  =========================================================
-``capturable``                      whether the graph members below work
-``check(device, dtype)``            refuse a device or dtype before the model loads
-``plan(batch, out_loc)``            once per batch: metadata from its rows, extents and phase
-                                    and the host page table, uploaded without blocking
-``forward(layer, q, k, v, meta)``   attention for one layer; the new K, V are in the pool
-``init_graph_state(shapes)``        the static buffers shared by graphs of these shapes
-``graph_metadata(shape, out_loc)``  the metadata one graph (a ``GraphShape``) is captured with
-``prepare_replay(meta, rows,        refill that graph's buffers for a real batch, padded
-starts, ends)``                     to its shape with requests on the pad page
-==================================  =========================================================
-"""
+See docs/architecture.md, 'Attention backends'."""
 
 from __future__ import annotations
 
@@ -38,16 +18,8 @@ Phase = Literal["prefill", "decode"]   # as ``Batch.phase``
 @frozen
 class GraphShape:
     """What one captured forward is built for: ``rows`` request rows over ``tokens`` query
-    tokens, replayed for any batch of the ``phase`` that fits in it.
-
-    A decode graph has one token per row (``tokens == rows``); a batch of ``n <= rows``
-    requests pads it with rows of one token that attend one token of the pad page. A prefill
-    graph (prompts, chunks, and those mixed with decoding requests) takes a batch of
-    ``n < rows`` requests and ``t <= tokens`` tokens: its row ``rows - 1`` is a padding
-    request that owns the ``tokens - t`` padding tokens at the end of the token axis (their
-    K, V on the pad page, where they attend), and rows ``n .. rows - 2`` are padding requests
-    with no token that hold one KV token of the pad page.
-    """
+    tokens, for any batch of ``phase`` that fits (padding: docs/architecture.md, 'CUDA
+    graphs')."""
 
     phase: Phase
     rows: int
@@ -72,44 +44,33 @@ class AttentionSpec:
 
 class AttentionBackend(Protocol):
     """Plans attention once per batch, runs it for every layer, and (where ``capturable``)
-    supplies what CUDA graphs of decode and prefill batches need.
-
-    Planning reads the host: the batch's rows and extents, the host page table. Everything
-    it uploads is ordered on the current stream, so planning batch N+1 never waits for
-    batch N.
-    """
+    supplies what CUDA graphs need. Invariant: planning uploads in stream order only."""
 
     pool: KVPool
     capturable: ClassVar[bool]    # whether ``init_graph_state`` and the rest work
 
     def plan(self, batch: Batch, out_loc: torch.Tensor) -> Any:
-        """Metadata for one batch, which every layer's ``forward`` reuses. ``out_loc``
-        [T] (on the device) is the KV slot of each computed token, in batch order."""
+        """Metadata every layer reuses; ``out_loc`` [T] (device): each token's KV slot."""
         ...
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: Any) -> torch.Tensor:
-        """Attend: q [T, heads, dim] -> [T, heads * dim]. The new k, v are already in the
-        pool at ``meta.out_loc`` (the model writes them: ``AttentionContext.kv_slots``)."""
+        """Attend: q [T, heads, dim] -> [T, heads * dim]; k, v are in the pool already."""
         ...
 
     def init_graph_state(self, shapes: Sequence[GraphShape]) -> None:
-        """Allocate the static buffers that graphs of these ``shapes`` share (called once,
-        with every graph that will be captured, before ``graph_metadata``)."""
+        """Allocate the static buffers graphs of ``shapes`` share (once, first)."""
         ...
 
     def graph_metadata(self, shape: GraphShape, out_loc: torch.Tensor) -> Any:
-        """The metadata a graph of ``shape`` is captured with: its tensors stay where they
-        are across replays. ``out_loc`` [shape.tokens] is the graph's own KV-slot buffer
-        (refilled by the caller before each replay, padding tokens on the pad page)."""
+        """The metadata a graph of ``shape`` is captured with (its tensors stay put);
+        ``out_loc`` [shape.tokens]: the graph's KV-slot buffer."""
         ...
 
     def prepare_replay(self, meta: Any, rows: Sequence[int], starts: Sequence[int],
                        ends: Sequence[int]) -> None:
-        """Refill ``meta``'s buffers, in stream order, for a batch whose request ``i``
-        computes positions ``[starts[i], ends[i])`` of table row ``rows[i]``; the graph's
-        remaining rows and tokens are padding on ``AttentionSpec.pad_page``, laid out as
-        ``GraphShape`` says."""
+        """Refill ``meta``'s buffers, in stream order, for requests computing positions
+        ``[starts[i], ends[i])`` of rows ``rows[i]``; the rest is padding on the pad page."""
         ...
 
 
@@ -134,8 +95,7 @@ class AttentionContext:
         self.meta = meta
 
     def kv_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer's K and V caches and each new token's slot in them: the model writes
-        the new K, V there (in the kernel that produces them) before it attends."""
+        """The layer's K and V caches and each new token's slot, written before attending."""
         pool = self.backend.pool
         return pool.k[layer], pool.v[layer], self.meta.out_loc
 

@@ -1,11 +1,5 @@
 """The CUDA attention backend: flashinfer's paged prefill (extend) and decode kernels.
-
-The page table stays on the host. For each batch the backend turns it into flashinfer's
-paged layout (``indptr``, page ``indices``, ``last_page_len``) in pinned memory; flashinfer's
-``plan`` copies it to the device without blocking, once per batch, and every layer reuses
-the plan. CUDA graphs get wrappers in flashinfer's graph mode, one per captured graph, whose
-plans copy the layout into static buffers that every graph shares.
-"""
+See docs/architecture.md, 'The flashinfer backend'."""
 
 from __future__ import annotations
 
@@ -19,7 +13,7 @@ import torch
 from attrs import frozen
 
 from asyncinfer.attention.base import AttentionSpec, GraphShape
-from asyncinfer.attention.transfer import pin, upload
+from asyncinfer.attention.host_to_device import pin, upload
 from asyncinfer.core import Batch
 from asyncinfer.errors import ConfigError
 
@@ -51,12 +45,7 @@ class PagedLayout:
 def paged_layout(page_table: torch.Tensor, rows: Sequence[int], ends: Sequence[int],
                  page_size: int, pad_lens: Sequence[int] = (), pad_page: int = 0
                  ) -> PagedLayout:
-    """Pages of positions ``[0, ends[i])`` of each row, read off the host page table.
-
-    ``pad_lens`` appends rows of those KV lengths whose every page is ``pad_page`` (a CUDA
-    graph's padding requests; one longer than a page reads that page again).
-    ``page_table`` is a CPU tensor.
-    """
+    """Pages of ``[0, ends[i])`` of each row, plus padding rows of ``pad_lens`` on ``pad_page``."""
     lens = np.asarray(ends, np.int64)
     counts = (lens + page_size - 1) // page_size
     width = int(counts.max())
@@ -79,37 +68,20 @@ def paged_layout(page_table: torch.Tensor, rows: Sequence[int], ends: Sequence[i
 
 def prefill_graph_workspace_bytes(shape: GraphShape, num_heads: int, num_kv_heads: int,
                                   head_dim: int, num_sms: int) -> int:
-    """The most float workspace flashinfer's prefill plan takes for a CUDA graph of ``shape``.
-
-    In graph mode its plan (``PrefillPlan`` in scheduler.cuh) always splits the KV and keeps
-    a partial output (``head_dim`` floats per query row and head) and a log-sum-exp (one
-    float) for each row of a fixed count of work tiles: ``max(2 * SMs // kv_heads,
-    ceil(tokens * group / tile) + rows - 1)`` tiles of ``tile <= 128`` query rows, so at most
-    ``max(2 * SMs // kv_heads * 128, tokens * group + rows * 128)`` rows in all.
-    """
+    """The most float workspace flashinfer's prefill plan takes for a graph of ``shape``."""
     group = num_heads // num_kv_heads
     tile_rows = max(2 * num_sms // num_kv_heads * 128, shape.tokens * group + shape.rows * 128)
     return num_heads * tile_rows * (head_dim + 1) * 4 + 64   # 64: two aligned allocations
 
 
 def _decode_tensor_cores(group: int, device: torch.device) -> bool:
-    """Whether decode runs flashinfer's tensor-core kernel (its prefill kernel) rather than
-    its CUDA-core decode kernel: once four or more query heads share a KV head (SGLang's
-    rule), and on Hopper or later already from two (measured: see docs/benchmarks.md)."""
+    """Whether decode takes the tensor-core kernel: from 4 heads per KV head (Hopper: 2)."""
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     return group >= 4 or hopper
 
 
 class HostLengths(torch.Tensor):
-    """A host int32 tensor whose iteration yields numpy scalars.
-
-    flashinfer's ``plan`` takes Python's builtin ``max()`` over the lengths it is handed
-    (the KV lengths for tensor-core decode and prefill, the query lengths for prefill).
-    Over a plain tensor that makes a 0-d tensor per element, every decode step, which is a
-    large share of the host's time in a step of a few hundred requests (see
-    docs/benchmarks.md); over this it is a numpy loop. Everything else flashinfer does with
-    it, including passing it to its C++ plan (through DLPack), sees a plain tensor.
-    """
+    """A host int32 tensor whose iteration yields numpy scalars (for ``plan``'s ``max()``)."""
 
     def __iter__(self) -> Any:
         return iter(self.numpy())
@@ -122,8 +94,7 @@ def host_lengths(tensor: torch.Tensor) -> HostLengths:
 
 @frozen
 class FlashInferMetadata:
-    """What every layer of one forward needs: the planned wrapper and each token's KV slot
-    (and, for a CUDA graph's metadata, the graph's shape)."""
+    """What every layer of one forward needs: the planned wrapper, each token's KV slot."""
 
     wrapper: Any
     out_loc: torch.Tensor               # [T] on the device
@@ -132,8 +103,7 @@ class FlashInferMetadata:
 
 @frozen
 class GraphBuffers:
-    """The static layout every graph wrapper plans into (int32, on the device), sliced to
-    each graph's rows: graphs replay one at a time, in stream order, so one set serves all."""
+    """The static layout every graph wrapper plans into (one set: graphs replay in order)."""
 
     qo_indptr: torch.Tensor       # [rows + 1] (prefill graphs)
     indptr: torch.Tensor          # [rows + 1]
@@ -142,20 +112,9 @@ class GraphBuffers:
 
 
 class FlashInferBackend:
-    """Plans one wrapper per batch and runs it for every layer over the page pool.
-
-    Prefill and mixed batches use the paged prefill wrapper (causal, queries aligned to the
-    end of each request's KV, so extending a cached prefix needs nothing more); decode
-    batches use the decode wrapper. Each CUDA graph gets a wrapper of its own in flashinfer's
-    graph mode (a decode one, or a prefill one planned with the graph's full token count,
-    which flashinfer then holds as the most it may see), whose layout lives in static device
-    buffers (``GraphBuffers``) that every graph shares.
-
-    The page table stays on the host: a plan reads each request's pages off it and hands
-    flashinfer the layout so that planning never blocks: page indices already on the device
-    (flashinfer copies host indices synchronously, which would wait for the batch in
-    flight), the small arrays it reads on the host in pinned memory.
-    """
+    """Plans one wrapper per batch (prefill for prefill and mixed batches, decode for
+    decode) and runs it for every layer; each CUDA graph has a graph-mode wrapper over the
+    shared ``GraphBuffers``. Invariant: planning never blocks on the batch in flight."""
 
     capturable: ClassVar[bool] = True
 
@@ -207,10 +166,7 @@ class FlashInferBackend:
         return out.view(q.shape[0], -1)
 
     def init_graph_state(self, shapes: Sequence[GraphShape]) -> None:
-        """The layout buffers of all graphs (``GraphBuffers``; page ``indices`` with room for
-        every row's whole span plus a page each, and for a padding request of every token),
-        and the float workspace of the prefill graphs: the shared one, or a larger one where
-        the largest prefill graph needs more (``prefill_graph_workspace_bytes``)."""
+        """The layout buffers of all graphs and the prefill graphs' float workspace."""
         assert self.pad_page is not None, "graphs need a page for their padding rows"
         rows = max(shape.rows for shape in shapes)
         tokens = max(shape.tokens for shape in shapes)
@@ -230,8 +186,7 @@ class FlashInferBackend:
             self._graph_workspace = torch.zeros(need, dtype=torch.uint8, device=self.device)
 
     def graph_metadata(self, shape: GraphShape, out_loc: torch.Tensor) -> FlashInferMetadata:
-        """A graph-mode wrapper for ``shape`` (decode, or fa2 prefill like ``plan``'s) on
-        the shared layout buffers."""
+        """A graph-mode wrapper for ``shape`` on the shared layout buffers."""
         buffers = self._graph_buffers
         assert buffers is not None, "init_graph_state first"
         if shape.phase == "decode":
@@ -253,8 +208,7 @@ class FlashInferBackend:
 
     def prepare_replay(self, meta: FlashInferMetadata, rows: Sequence[int],
                        starts: Sequence[int], ends: Sequence[int]) -> None:
-        """Plan the graph's wrapper (which copies the layout into the shared buffers) for
-        the batch, padded to the graph's shape as ``GraphShape`` lays it out."""
+        """Plan the graph's wrapper for the batch, padded to the graph's shape."""
         shape = meta.graph
         assert shape is not None and self.pad_page is not None
         spare = shape.rows - len(rows)
@@ -293,10 +247,7 @@ class FlashInferBackend:
             seq_lens=host_lengths(layout.seq_lens)))
 
     def _plan(self, wrapper: Any, plan: Any) -> None:
-        # plan() stages its schedule in a pinned buffer of the wrapper and uploads it without
-        # blocking. With the next batch planned while one runs, that buffer must not be
-        # rewritten before the last upload from it ran: wait for that upload (long done in
-        # practice: it is the first thing the previous batch did on the stream).
+        # The wrapper's pinned staging buffer must not be rewritten before its last upload ran.
         previous = self._plan_events.get(id(wrapper))
         if previous is not None:
             previous.synchronize()

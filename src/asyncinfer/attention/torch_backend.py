@@ -1,12 +1,6 @@
-"""The reference attention backend: torch SDPA over K/V gathered from the page pool.
-
-It runs on any device and dtype. Its plan reads the host page table and uploads the slots
-each request attends to (without blocking on CUDA). On a CPU, decode batches run a kernel
-compiled for this CPU (``kernels.cpu``) that reads K and V in place through the page
-table, when it builds: gathering every request's whole prefix each step cost more than the
-attention itself. Prefill and mixed batches over a bf16 pool take the kernels' AMX prefill
-attention where the CPU has AMX (all requests in one call, K and V read in place too).
-"""
+"""The reference attention backend: torch SDPA over K/V gathered from the page pool, on any
+device and dtype; on a CPU, the compiled kernels' decode and AMX prefill attention where
+they build (K and V read in place)."""
 
 from __future__ import annotations
 
@@ -19,7 +13,7 @@ from attrs import define
 from torch.nn import functional as F
 
 from asyncinfer.attention.base import AttentionSpec, GraphShape
-from asyncinfer.attention.transfer import upload
+from asyncinfer.attention.host_to_device import upload
 from asyncinfer.core import Batch
 from asyncinfer.errors import ConfigError
 
@@ -39,9 +33,8 @@ class TorchMetadata:
 
 @define
 class NativeDecode:
-    """A decode batch for the CPU kernel: its requests' rows of the page table, copied at
-    planning (the scheduler edits the table for the next batch while this one runs), and
-    their lengths."""
+    """A decode batch for the CPU kernel: its rows of the page table (copied: the scheduler
+    edits the table while this batch runs) and their lengths."""
 
     table: torch.Tensor                   # [n, max_len] int64: KV slot of each position
     rows: torch.Tensor                    # [n] int64: 0 .. n-1, rows of ``table``
@@ -51,9 +44,8 @@ class NativeDecode:
 
 @define
 class NativePrefill:
-    """A prefill or mixed batch for the CPU's AMX kernel: every request's slots of
-    positions [0, end) one after another, and where each request's run of them, its new
-    tokens' rows, its cached length and its new tokens' count are."""
+    """A prefill or mixed batch for the CPU's AMX kernel: each request's slots of [0, end)
+    in a row, with its offsets, cached length and new-token count."""
 
     slots: torch.Tensor                   # [sum of ends] int64
     slot_at: torch.Tensor                 # [n] int64
@@ -72,14 +64,9 @@ class DecodeGroup:
 
 
 class TorchBackend:
-    """Decode batches run as one padded SDPA call; prefill and mixed batches loop per request.
-
-    The pool may hold a wider dtype than the model's activations (float32 kernels for
-    half-precision values on CPU); queries are widened to match and outputs narrowed back.
-
-    Not capturable: a decode batch's padded width and its grouping by length follow the
-    lengths of its requests, so the shapes of its kernels change from batch to batch.
-    """
+    """Decode batches as padded SDPA calls over groups of similar length; prefill and mixed
+    batches per request. Queries take the pool's dtype and outputs come back narrowed. Not
+    capturable: its shapes follow the requests' lengths."""
 
     capturable: ClassVar[bool] = False
 
@@ -134,8 +121,7 @@ class TorchBackend:
                              prefill=prefill)
 
     def _decode_groups(self, batch: Batch) -> list[DecodeGroup]:
-        # Padding every request to the longest wastes attention on short ones: requests are
-        # sorted by length and split into a few groups, each padded to its own longest.
+        # Sorted by length, split into groups, each padded to its own longest.
         count = min(_MAX_GROUPS, -(-batch.size // _MIN_GROUP))
         if count == 1:
             return [self._group(None, batch.rows, batch.ends)]
@@ -173,8 +159,7 @@ class TorchBackend:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         meta: TorchMetadata,
     ) -> torch.Tensor:
-        """Attend causally over each request's whole prefix (the new k, v are already in
-        the pool; a prompt with nothing cached attends over the fresh k, v directly)."""
+        """Attend causally over each request's whole prefix (k, v are already in the pool)."""
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
         out_dtype, dtype = q.dtype, k_pool.dtype
         if meta.native is not None:

@@ -1,6 +1,4 @@
-"""The model runner: one ``ModelRunner`` for every attention backend (see
-``asyncinfer.attention.registry``), with decode CUDA graphs for the backends that can be
-captured."""
+"""The model runner (one for every attention backend) and its CUDA graphs and sampler."""
 
 from __future__ import annotations
 
@@ -11,6 +9,5 @@ from asyncinfer.engine.runner import ModelRunner
 
 
 def create_runner(config: EngineConfig, model_dir: Path) -> ModelRunner:
-    """The runner for ``config``; its attention backend is ``config.resolved_attention_backend``
-    (see ``EngineConfig``)."""
+    """The runner for ``config`` (its backend: ``config.resolved_attention_backend``)."""
     return ModelRunner(config, model_dir)

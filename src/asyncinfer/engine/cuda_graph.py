@@ -1,42 +1,6 @@
 """Forwards captured as CUDA graphs and replayed with padding: decode batches at a ladder of
-batch sizes, prefill batches at a ladder of token counts.
-
-A forward launched from Python pays the host's launch of every kernel of every layer; a
-replay is one launch, so the host's share of a round no longer grows with the layer count.
-Sampling stays outside the graphs: each returns logits, which the sampler reads as it reads
-an eager forward's.
-
-Decode. A decode batch of ``n`` requests replays the graph of the smallest captured size
-``bs >= n``; rows ``n .. bs`` are padding: they read the token at ``pad_index`` of the token
-pool (its scratch row), attend one token of the backend's pad page and write their K, V at
-``pad_slot`` there. The graph returns the logits of every row.
-
-Prefill. Any other batch (prompts, chunks of prompts, and decoding requests mixed with
-those) of ``t`` tokens and ``n`` requests replays the graph of the smallest captured token
-count ``T >= t`` that has more than ``n`` rows: ``min(PREFILL_MAX_REQUESTS, T - 1) + 1`` of
-them (a batch of at most ``T`` tokens where one request computes two or more holds at most
-``T - 1`` requests; one row is kept for padding). Tokens ``t .. T`` are padding (token
-``pad_index``, position 0, KV slot ``pad_slot``), owned by the graph's last row, a padding
-request that attends them on the pad page; its other unused rows are padding requests with no
-token (``attention.base.GraphShape``). The graph gathers each row's last token (like the
-eager forward's ``last_index``) and returns the logits of those.
-
-Batches past the largest sizes run eagerly: there the kernels' work dwarfs their launch.
-
-Graph inputs (token indices, positions, KV slots, each request's last token) live in one
-device buffer that each replay refills, in stream order, before it runs; the attention
-backend keeps its own static metadata per graph and refills it
-(``AttentionBackend.prepare_replay``). Only the backend protocol is used here, so any backend
-that is ``capturable`` can be replayed.
-
-All graphs are captured into one memory pool, largest first (the prefill graphs, then the
-decode ones): graphs replay one at a time, so each reuses what the larger ones needed for
-their intermediates. The prefill graphs copy their logits into one buffer they share, so that
-no output of theirs stays held in the pool.
-
-Off CUDA nothing is captured and ``run`` calls the same forward directly on the same padded
-buffers, so the padding logic is testable on a CPU.
-"""
+batch sizes, prefill and mixed batches at a ladder of token counts. See
+docs/architecture.md, 'CUDA graphs'."""
 
 from __future__ import annotations
 
@@ -49,7 +13,7 @@ import torch
 from attrs import define
 
 from asyncinfer.attention.base import AttentionBackend, AttentionContext, GraphShape, Phase
-from asyncinfer.attention.transfer import pin
+from asyncinfer.attention.host_to_device import pin
 from asyncinfer.core import Batch
 from asyncinfer.errors import ConfigError
 
@@ -61,9 +25,7 @@ GraphForward = Callable[[torch.Tensor, torch.Tensor, AttentionContext, torch.Ten
 indices ``last`` (of every token when None)."""
 
 PREFILL_MAX_REQUESTS = 64
-"""The most requests a prefill graph takes. A prefill round admits the few requests that
-arrived since the last one; each row a graph has costs it a row of logits and, in the
-attention kernel's schedule, a work tile (and workspace) whether a request fills it or not."""
+"""The most requests a prefill graph takes (each row costs logits and a work tile)."""
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -74,9 +36,7 @@ def batch_size_ladder(max_bs: int) -> list[int]:
 
 
 def token_count_ladder(max_tokens: int) -> list[int]:
-    """64, 128, 192, 256, 384, 512, 768, ... (powers of two and 1.5 times them) up to and
-    including ``max_tokens``: past 64 tokens a batch is padded to at most 1.5 times its own
-    (below 64 a forward's time hardly depends on its token count)."""
+    """64, 128, 192, 256, 384, ... (powers of two and 1.5 times them) up to ``max_tokens``."""
     sizes, size = [64], 128
     while size < max_tokens:
         sizes += [size, size * 3 // 2]
@@ -86,8 +46,7 @@ def token_count_ladder(max_tokens: int) -> list[int]:
 
 @define
 class Graph:
-    """One forward of a fixed shape: its attention context and, once captured, its CUDA
-    graph and output (``logits`` [shape.rows, vocab], rewritten by every replay)."""
+    """One forward of a fixed shape: its attention context, CUDA graph and output logits."""
 
     shape: GraphShape
     context: AttentionContext
@@ -97,12 +56,8 @@ class Graph:
 
 
 class CudaGraphs:
-    """Captured decode and prefill forwards (model and attention; sampling stays outside).
-
-    ``forward`` computes the logits (``GraphForward``). ``max_prefill_tokens`` below 2 (no
-    prefill has fewer) captures no prefill graph. A backend that cannot be captured is
-    refused with a ConfigError.
-    """
+    """Captured decode and prefill forwards (sampling stays outside); ``max_prefill_tokens``
+    below 2 captures no prefill graph. A backend that cannot be captured: ConfigError."""
 
     def __init__(self, backend: AttentionBackend, forward: GraphForward,
                  token_pool: torch.Tensor, max_bs: int, max_prefill_tokens: int,
@@ -119,10 +74,8 @@ class CudaGraphs:
                     for t in self.prefill_sizes),
                   *(GraphShape("decode", bs, bs) for bs in self.decode_sizes)]
         width = max(shape.tokens for shape in shapes)
-        # inputs[0] token-pool index, [1] position, [2] KV slot of each token; [3] the index
-        # of each request row's last token (prefill; a request row never outnumbers tokens)
+        # rows: token-pool index, position, KV slot of each token; each request's last token
         self.inputs = torch.zeros(4, width, dtype=torch.int64, device=device)
-        # What padding puts there (host), a column per token or row.
         self.padding = torch.tensor([[pad_index], [0], [pad_slot], [0]]).expand(4, width)
         backend.init_graph_state(shapes)
         graphs = [Graph(shape, AttentionContext(backend, backend.graph_metadata(
@@ -132,8 +85,7 @@ class CudaGraphs:
         self._prefill_logits: torch.Tensor | None = None
 
     def pick(self, phase: Phase, requests: int, tokens: int) -> Graph | None:
-        """The graph a batch of ``requests`` computing ``tokens`` replays, or None (run it
-        eagerly)."""
+        """The graph a batch of ``requests`` and ``tokens`` replays; None: run it eagerly."""
         if phase == "decode":
             return next((g for g in self.decode if g.shape.rows >= requests), None)
         return next((g for g in self.prefill
@@ -169,7 +121,6 @@ class CudaGraphs:
 
     def _capture(self, graph: Graph, pool: Any, stream: torch.cuda.Stream) -> None:
         with torch.cuda.stream(stream):
-            # A request of one token on table row 0; the rest is padding.
             self.backend.prepare_replay(graph.context.meta, [0], [0], [1])
             for _ in range(2):  # warm up outside the graph (allocator, lazy init)
                 out = self._run_forward(graph)
@@ -190,10 +141,7 @@ class CudaGraphs:
         graph.cuda_graph = cuda_graph
 
     def release(self) -> None:
-        """Free every captured graph now, whoever still holds this object or its graphs
-        (their replay counts stay readable): a graph keeps what it captured, a tensor-
-        parallel group's collectives included, and that group cannot be torn down while a
-        graph holds them. A released graph replays as the eager forward would run."""
+        """Free every captured graph now; a released graph runs eagerly."""
         for graph in [*self.prefill, *self.decode]:
             if graph.cuda_graph is not None:
                 graph.cuda_graph.reset()
@@ -202,11 +150,8 @@ class CudaGraphs:
 
     def run(self, graph: Graph, batch: Batch, inputs: torch.Tensor, last: torch.Tensor,
             computing: Callable[[], None] | None = None) -> torch.Tensor:
-        """Replay ``graph`` for ``batch`` (which fits it: ``pick``). ``inputs`` [3, t] (host)
-        are the token-pool index, position and KV slot of each of its tokens, ``last`` [n]
-        (host) the index of each request's last token among them. Returns the logits
-        [n, vocab] of those last tokens. ``computing`` is called once the inputs are
-        staged, just before the replay."""
+        """Replay ``graph`` for ``batch`` (``inputs`` [3, t]: index, position, KV slot per
+        token; ``last`` [n]); the logits [n, vocab] of each request's last token."""
         shape, n = graph.shape, batch.size
         padded = self.padding[:, : shape.tokens].clone()
         padded[:3, : inputs.shape[1]] = inputs

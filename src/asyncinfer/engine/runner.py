@@ -1,26 +1,5 @@
-"""The model runner: model, KV pool, page table and token pool; runs one Batch at a time.
-
-``launch(batch)`` builds the batch's indices on the host (the page table lives there, the
-scheduler fills it), has the attention backend plan the batch, runs the model, samples, and
-writes the sampled ids into the token pool. With a capturable backend, a batch that fits a
-captured CUDA graph (``engine.cuda_graph``: decode batches up to ``cuda_graph_max_bs``
-requests, prefill and mixed batches up to ``cuda_graph_max_prefill_tokens`` tokens) replays
-it, padded, instead: one launch for the whole model, where an eager forward launches every
-layer's kernels from Python. Either way the forward ends with the logits of each request's
-last token, and sampling runs eagerly after it.
-
-On CUDA all of it is enqueued at once, on the coordinator's thread, onto one engine stream:
-inputs are uploaded from pinned memory with non-blocking copies, the sampled tokens start a
-non-blocking copy into pinned host memory, and an event is recorded. The returned ``wait``
-blocks on that event, in the coordinator's waiter thread: that copy is the one host
-synchronisation of a step. Batch N+1 is prepared on the host (scheduling, metadata, plans)
-while the GPU runs batch N, and its uploads queue behind N: N+1 reads tokens N writes, and
-graph input buffers and the backend's graph layout are shared by consecutive replays, so
-stream order keeps them correct.
-
-Off CUDA there is nothing to enqueue onto: the whole forward runs inside the returned call
-(the coordinator makes it in a worker thread).
-"""
+"""The model runner: model, KV pool, page table and token pool; runs one Batch at a time,
+enqueued on one engine stream on CUDA. See docs/architecture.md, 'The runner's stream'."""
 
 from __future__ import annotations
 
@@ -31,14 +10,16 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 from attrs import frozen
+from torch import nn
 
 from asyncinfer.attention.base import AttentionContext, AttentionSpec
+from asyncinfer.attention.host_to_device import upload
 from asyncinfer.attention.registry import backend_class
-from asyncinfer.attention.transfer import upload
 from asyncinfer.config import EngineConfig, ModelConfig
 from asyncinfer.core import Batch, ForwardOutput
 from asyncinfer.distributed.parallel import TensorParallel
@@ -50,9 +31,10 @@ from asyncinfer.kernels.cpu import load as load_cpu_kernels
 from asyncinfer.kvcache.pool import KVPool
 from asyncinfer.layers.fused import LayerOps
 from asyncinfer.layers.linear import can_pack
+from asyncinfer.layers.packing import pack_for_cpu, use_fp32_shadows
 from asyncinfer.layers.rotary import RotaryEmbedding
-from asyncinfer.models import build_model
-from asyncinfer.models.llama import LlamaForCausalLM
+from asyncinfer.models import build_model, check_model
+from asyncinfer.models.base import CausalLM
 from asyncinfer.models.weights import init_dummy, iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -64,8 +46,7 @@ def _size(nbytes: float) -> str:
 
 
 def rank_device(device: str, rank: int) -> torch.device:
-    """The device of tensor-parallel rank ``rank`` of a model placed on ``device``: the
-    same CPU, or the ``rank``-th CUDA device from the one named."""
+    """The device of tensor-parallel rank ``rank`` of a model on ``device``."""
     base = torch.device(device)
     if base.type != "cuda" or rank == 0:
         return base
@@ -79,18 +60,12 @@ def rank_device(device: str, rank: int) -> torch.device:
 class ModelRunner:
     """Owns the device-side state of a model and runs forwards over it.
 
-    ``token_pool[row, pos]`` (on the device) holds each request's token ids and
-    ``page_table[row, pos]`` (on the host) the KV slot of each position; the scheduler fills
-    both, the runner reads them. The attention backend is ``config``'s, from the registry.
-    A backend that can be captured gets one page beyond the scheduler's (``scratch_page``),
-    which takes the K, V of CUDA-graph padding; the token pool's last row (``max_rows``)
-    takes the tokens nobody reads, and its first token is what padding tokens read.
-    """
+    Invariants: ``token_pool[row, pos]`` (device) and ``page_table[row, pos]`` (host) are
+    filled by the scheduler; ``scratch_page`` takes CUDA-graph padding's K, V; the token
+    pool's last row takes the tokens nobody reads."""
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.config = config
-        # This rank's share of the model (all of it without tensor parallelism), on its
-        # own device: rank r of a model on cuda:i runs on cuda:i+r.
         self.tp = TensorParallel.join(config.tensor_parallel_size)
         self.device = rank_device(config.device, self.tp.rank)
         if self.device.index is not None and self.device.type == "cuda":
@@ -106,9 +81,10 @@ class ModelRunner:
         backend_cls.check(self.device, self.dtype)  # before the time that loading takes
         self.model_config = ModelConfig.from_pretrained(model_dir)
         full = self.model_config
+        self.context_len = config.context_len(full)
+        check_model(full, self.context_len)
         self.tp.check(full.num_heads, full.num_kv_heads, full.intermediate_size)
         self.shard_config = full.sharded(self.tp.size)
-        self.context_len = config.context_len(self.model_config)
         kernels = (load_cpu_kernels() if self.device.type == "cpu" and config.cpu_kernels
                    else None)
         self.model = self._load_model(model_dir, kernels)
@@ -122,11 +98,9 @@ class ModelRunner:
         self.pool = KVPool(cfg.num_layers, self.num_pages + extra_pages, page,
                            cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         if config.compiles:
-            # Compiling takes a while at start: say so before, and how long it took once
-            # the sampler's warm-up below has compiled too.
             logger.info("compiling the fused layer ops and the sampler with torch.compile")
             compile_start = time.perf_counter()
-            self.model.compile_layer_ops(self.pool)
+            self.compile_layer_ops()
         self.max_rows = config.max_running_requests
         # Whole pages per row, plus one column so a sampled token always has a place.
         self.width = -(-self.context_len // page) * page + 1
@@ -140,7 +114,7 @@ class ModelRunner:
             native=config.cpu_kernels))
         if kernels is not None and kernels.runs_layer_ops(self.dtype, cfg.hidden_size,
                                                           cfg.head_dim):
-            self.model.ops = LayerOps(native=kernels)
+            self.model.ops = LayerOps(self.model.op_names, native=kernels)
         self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device,
                                argmax=None if kernels is None else kernels.argmax)
         self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
@@ -150,12 +124,10 @@ class ModelRunner:
         self.stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
-            # What the set-up queued (the pool's zeros, ...) comes before anything launched.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.graphs: CudaGraphs | None = None
         if config.cuda_graph and backend_cls.capturable:
             assert self.scratch_page is not None
-            # A prefill batch never holds more tokens than a round's budget.
             self.graphs = CudaGraphs(
                 self.backend, self.forward_logits, self.token_pool,
                 min(config.cuda_graph_max_bs or self.max_rows, self.max_rows),
@@ -178,8 +150,7 @@ class ModelRunner:
                     (self.graphs.prefill_sizes or "off") if self.graphs else "off")
 
     def release_graphs(self) -> None:
-        """Drop the captured CUDA graphs (the engine is stopping; eager forwards remain):
-        what they captured, tensor-parallel collectives included, is freed now."""
+        """Drop the captured CUDA graphs and what they hold (the engine is stopping)."""
         if self.graphs is None:
             return
         graphs, self.graphs = self.graphs, None
@@ -190,10 +161,16 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def compile_layer_ops(self, backend: str = "inductor") -> None:
+        """Run the model's layer ops through torch.compile, compiled now (pool still empty)."""
+        self.model.ops = LayerOps(self.model.op_names, compile=True, backend=backend,
+                                  device=self.pool.k.device)
+        self.model.ops.warm_up(self.model.warm_up_args(), self.rotary, self.pool.k[0],
+                               self.pool.v[0])
+
     @property
     def logits_dtype(self) -> torch.dtype:
-        """What the sampler gets: float32, or the model's dtype where a compiled sampler
-        widens the logits itself as it reads them (one pass less over [B, vocab])."""
+        """What the sampler gets: float32, or the model's dtype for a compiled sampler."""
         return self.dtype if self.config.compiles else torch.float32
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -202,29 +179,28 @@ class ModelRunner:
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        attn: AttentionContext, last: torch.Tensor | None) -> torch.Tensor:
-        """The model over these tokens, then the logits of those at ``last`` (of all when
-        None): the forward that eager batches run and graphs capture."""
+        """The logits of the tokens at ``last`` (all when None): what graphs capture."""
         hidden = self.model(input_ids, positions, attn)
         return self.logits(hidden if last is None else hidden[last])
 
-    def _load_model(self, model_dir: Path, kernels: NativeKernels | None) -> LlamaForCausalLM:
+    def _load_model(self, model_dir: Path, kernels: NativeKernels | None) -> CausalLM:
         cfg = self.shard_config
-        rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, self.context_len + 1, self.device)
-        # Build on the meta device so no time goes into an initialisation we overwrite.
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, self.context_len + 1,
+                                      self.device)
         with torch.device("meta"):
-            model = build_model(cfg, rotary, self.tp)
-        model = model.to_empty(device="cpu").requires_grad_(False)
+            model = build_model(cfg, self.rotary, self.tp)
+        module = cast(nn.Module, model)
+        module.to_empty(device="cpu").requires_grad_(False)
         if self.config.load_format == "dummy":
-            init_dummy(model, self.config.seed)
+            init_dummy(module, self.config.seed)
         else:
             model.load_weights(iter_safetensors(model_dir, model.rank_part))
-        model.to(device=self.device, dtype=self.dtype).eval()
+        module.to(device=self.device, dtype=self.dtype).eval()
         if self.config.fp32_kernels:
-            model.use_fp32_shadow()
+            use_fp32_shadows(module)
         elif self.device.type == "cpu" and can_pack(self.dtype):
-            # Our product kernel where one builds (see layers.linear).
-            model.pack_for_cpu(self.config.max_running_requests,
-                               kernels if kernels is not None and kernels.products else None)
+            pack_for_cpu(module, self.config.max_running_requests,
+                         kernels if kernels is not None and kernels.products else None)
         return model
 
     def _pages_from_budget(self, extra_pages: int) -> int:
@@ -238,8 +214,7 @@ class ModelRunner:
         return max(1, budget // per_page - extra_pages)
 
     def write_prompt(self, row: int, token_ids: Sequence[int]) -> None:
-        """Put a newly admitted request's prompt into its token-pool row (on CUDA: in order
-        on the engine stream, without blocking)."""
+        """Put a newly admitted request's prompt into its token-pool row (non-blocking)."""
         ids = torch.tensor(list(token_ids), dtype=torch.int64)
         if self.stream is None:
             self.token_pool[row, : len(ids)] = ids
@@ -262,10 +237,7 @@ class ModelRunner:
         if self.stream is None:
             return partial(self._forward_here, batch)
         with torch.cuda.stream(self.stream):
-            # Timed events around the batch's compute (recorded once its inputs are staged):
-            # the stream reaches ``start`` no sooner than the batch before is done, so the
-            # spans add up to the device's busy time without overlap. An eager batch's span
-            # also holds the gaps between its kernels' launches.
+            # Spans between these events add up to the device's busy time.
             start = torch.cuda.Event(enable_timing=True)
             tokens, logits = self._enqueue(batch, lambda: start.record(self.stream))
             out = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -285,8 +257,8 @@ class ModelRunner:
 
     def _enqueue(self, batch: Batch, computing: Callable[[], None] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the batch on the current stream: its sampled tokens [B] and logits.
-        ``computing`` is called once the inputs are staged, before the model runs."""
+        """Run the batch on the current stream: its sampled tokens [B] and logits
+        (``computing``: called once the inputs are staged)."""
         host = host_inputs(batch, self.width, self.max_rows)
         graph = None if self.graphs is None else self.graphs.pick(
             batch.phase, batch.size, len(host.positions))
@@ -327,10 +299,8 @@ class HostInputs:
 
 
 def host_inputs(batch: Batch, width: int, scratch_row: int) -> HostInputs:
-    """Vectorised over the batch (numpy: a few array ops instead of a loop per request).
-
-    A request that samples nothing this round (a mid-prompt chunk) writes to ``scratch_row``.
-    """
+    """The batch's indices, vectorised; a request that samples nothing writes to
+    ``scratch_row``."""
     lens = np.fromiter((e - s for s, e in zip(batch.starts, batch.ends)), np.int64,
                        batch.size)
     starts, rows = np.asarray(batch.starts, np.int64), np.asarray(batch.rows, np.int64)
@@ -348,8 +318,8 @@ def host_inputs(batch: Batch, width: int, scratch_row: int) -> HostInputs:
 
 
 def cuda_kv_budget(device: torch.device, utilization: float) -> int:
-    """Bytes the KV pool may take: the share of the device the engine may hold, less what is
-    in use now (weights, other processes) and a reserve for activations, graphs, workspace."""
+    """Bytes the KV pool may take: the engine's share of the device, less what is in use
+    and a reserve for activations, graphs and workspace."""
     free, total = torch.cuda.mem_get_info(device)
     reserve = max(2 * 2**30, int(0.05 * total))
     budget = int(total * utilization) - (total - free) - reserve

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from asyncinfer.attention.transfer import upload
+from asyncinfer.attention.host_to_device import upload
 from asyncinfer.layers import triton_ops
 from asyncinfer.layers.fused import WARM_UP_ROWS, compiled, dynamic_rows
 from asyncinfer.params import SamplingParams
@@ -19,48 +19,35 @@ _MASK64 = (1 << 64) - 1
 def _renormalize(probs: Tensor, keep: Tensor, off: Tensor) -> Tensor:
     kept = probs * keep
     renormed = kept / kept.sum(dim=-1, keepdim=True)
-    # Rows with the filter off stay bit-identical, so one row's filter cannot move another
-    # row's draw (a seeded request must sample the same token whatever shares its batch).
+    # Rows with the filter off stay bit-identical: no row's filter moves another's draw.
     return torch.where(off.unsqueeze(-1), probs, renormed)
 
 
 def apply_top_k(probs: Tensor, top_k: Tensor) -> Tensor:
-    """Keep token t iff fewer than k tokens are strictly more probable than t; renormalize.
-
-    Ties at the k-th value are all kept. ``k <= 0`` or ``k >= V`` turns the filter off.
-    """
+    """Keep t iff fewer than k tokens are more probable (ties kept); ``k <= 0``, ``k >= V``: off."""
     vocab = probs.shape[-1]
     top_k = top_k.to(device=probs.device, dtype=torch.int64)
     off = (top_k <= 0) | (top_k >= vocab)
-    # "Fewer than k strictly greater" is exactly "at least the k-th largest value".
     descending = probs.sort(dim=-1, descending=True).values
     kth = descending.gather(-1, (top_k.clamp(1, vocab) - 1).unsqueeze(-1))
     return _renormalize(probs, probs >= kth, off)
 
 
 def apply_top_p(probs: Tensor, top_p: Tensor) -> Tensor:
-    """Keep token t iff the mass of tokens strictly more probable than t is < p; renormalize.
-
-    The most probable tokens are always kept; ``p >= 1`` turns the filter off.
-    """
+    """Keep t iff the mass of tokens more probable than t is < p; ``p >= 1``: off."""
     top_p = top_p.to(device=probs.device, dtype=torch.float64)
     off = top_p >= 1.0
     wide = probs.double()  # float64 sums keep the mass within ~1e-15 of the exact one
     ascending = wide.sort(dim=-1).values
-    # suffix[:, j] = mass of ascending[:, j:], summed from the largest down; suffix[:, V] = 0.
     suffix = ascending.flip(-1).cumsum(-1).flip(-1)
     suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :1])], dim=-1)
-    # Index of the first value > p_t, whatever the order of equal values.
     first_greater = torch.searchsorted(ascending, wide, right=True)
     greater_mass = suffix.gather(-1, first_greater)
     return _renormalize(probs, greater_mass < top_p.unsqueeze(-1), off)
 
 
 def apply_min_p(probs: Tensor, min_p: Tensor) -> Tensor:
-    """Keep token t iff ``p_t >= min_p * max_u p_u`` (compared in float64); renormalize.
-
-    ``min_p <= 0`` turns the filter off.
-    """
+    """Keep t iff ``p_t >= min_p * max_u p_u`` (in float64); ``min_p <= 0``: off."""
     min_p = min_p.to(device=probs.device, dtype=torch.float64)
     off = min_p <= 0.0
     wide = probs.double()
@@ -70,7 +57,7 @@ def apply_min_p(probs: Tensor, min_p: Tensor) -> Tensor:
 
 def device_tensor(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
                   device: torch.device) -> Tensor:
-    """A small host list on ``device`` without blocking the host (see attention/transfer.py)."""
+    """A small host list on ``device`` without blocking the host (attention.host_to_device)."""
     return upload(torch.tensor(values, dtype=dtype), device)
 
 
@@ -83,10 +70,7 @@ def _mix64(x: int) -> int:
 
 
 def request_seed(seed: int, step: int) -> int:
-    """The generator seed for a seeded request's ``step``-th token, the same in every process.
-
-    Plain integer arithmetic (no ``hash()``); seeds are taken modulo 2**64.
-    """
+    """The key of a seeded request's ``step``-th token, the same in every process."""
     return _mix64((_mix64(seed & _MASK64) + step) & _MASK64)
 
 
@@ -94,10 +78,7 @@ _M32 = 0xFFFFFFFF
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:
-    """Low 32 bits of ``x * c`` for ``0 <= x, c < 2**32`` in int64 without overflow (signed
-    overflow is not something to lean on across CPU and GPU kernels): with ``c``'s top bit
-    taken off the product stays under 2**63, and that bit's share, ``x * 2**31``, has
-    ``(x & 1) << 31`` for its low 32 bits. One multiply per call."""
+    """Low 32 bits of ``x * c`` (both below 2**32) in int64 without signed overflow."""
     low = x * (c & 0x7FFFFFFF)
     return (low + ((x & 1) << 31) if c >> 31 else low) & _M32
 
@@ -112,12 +93,8 @@ def _hash32(x: Tensor) -> Tensor:
 
 
 def gumbel_noise(keys: Tensor, vocab: int) -> Tensor:
-    """Gumbel noise [B, vocab] (float32), a pure function of each row's 64-bit key.
-
-    Counter-based, so the same on every device and whatever else is in the batch: column c
-    of a row hashes (c, key) to 23 uniform bits u in (0, 1), and the noise is -log(-log u).
-    ``keys`` are int64 [B] (the two's-complement form of unsigned 64-bit keys).
-    """
+    """Gumbel noise [B, vocab] (float32), a pure function of each row's int64 key: column
+    c hashes (c, key) to 23 uniform bits u, noise ``-log(-log u)``, on any device."""
     lo = (keys & _M32).unsqueeze(-1)
     hi = ((keys >> 32) & _M32).unsqueeze(-1)
     cols = torch.arange(vocab, device=keys.device, dtype=torch.int64)
@@ -127,12 +104,7 @@ def gumbel_noise(keys: Tensor, vocab: int) -> Tensor:
 
 
 def race(logits: Tensor, inv_temperature: Tensor, keys: Tensor) -> Tensor:
-    """One token per row: ``argmax(logits / T + Gumbel)``, a draw from ``softmax(logits / T)``;
-    rows with ``inv_temperature == 0`` take the plain argmax (greedy).
-
-    One pass over the logits with nothing materialised: ``torch.compile`` makes it a single
-    reduction kernel on CUDA.
-    """
+    """One token per row, ``argmax(logits / T + Gumbel)``; ``inv_temperature == 0``: greedy."""
     scaled = logits.float() * inv_temperature.unsqueeze(-1)
     noisy = scaled + gumbel_noise(keys, logits.shape[-1])
     greedy = (inv_temperature == 0).unsqueeze(-1)
@@ -140,29 +112,21 @@ def race(logits: Tensor, inv_temperature: Tensor, keys: Tensor) -> Tensor:
 
 
 def race_filtered(probs: Tensor, keys: Tensor) -> Tensor:
-    """One token per row of filtered probabilities: ``argmax(log p + Gumbel)``; tokens the
-    filters removed (p = 0) can never win."""
+    """One token per row of filtered probabilities, ``argmax(log p + Gumbel)``."""
     return (probs.log() + gumbel_noise(keys, probs.shape[-1])).argmax(dim=-1)
 
 
 class Sampler:
     """Picks one token per row of a logits batch, following each request's SamplingParams.
 
-    Greedy rows take the argmax. The others are drawn by the Gumbel-max trick,
-    ``argmax(log p + G)``, with the noise G a function of a 64-bit key per row and token:
-    a seeded request's key comes from its seed and step alone (``request_seed``), so it
-    samples the same tokens whatever shares its batch; an unseeded row's key is drawn from
-    the sampler's own generator (``seed``), the same on every rank that runs the same
-    batches. Batches without top-k/top-p/min-p take one fused pass (``race``), compiled
-    when ``compile`` is set: the Triton kernels of layers.triton_ops on a ``device`` where
-    Triton runs, else torch.compile's.
+    Invariant: a seeded request's draw depends on its seed and step alone; an unseeded
+    row's key comes from the sampler's ``seed``. See docs/architecture.md, 'Sampling keys'.
     """
 
     def __init__(self, seed: int = 0, compile: bool = False, backend: str = "inductor",
                  device: torch.device | None = None,
                  argmax: Callable[[Tensor], Tensor] | None = None) -> None:
         self._keys = np.random.Generator(np.random.PCG64(seed & _MASK64))
-        # An all-greedy batch is one argmax (``argmax``: a faster one, e.g. the CPU kernels').
         self._argmax = argmax or _argmax
         self._race: Callable[[Tensor, Tensor, Tensor], Tensor] = race
         if compile and device is not None and triton_ops.available(device, "race"):
@@ -173,10 +137,7 @@ class Sampler:
     def sample(
         self, logits: Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
     ) -> Tensor:
-        """Sample a token per row of ``logits`` [B, V]; ``steps[i]`` counts row i's earlier tokens.
-
-        Returns int64 token ids [B] on the logits' device.
-        """
+        """Int64 token ids [B] for ``logits`` [B, V]; ``steps[i]``: row i's earlier tokens."""
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
         assert logits.shape[0] == len(params) == len(steps), "one params and step per row"
         device, vocab = logits.device, logits.shape[-1]
@@ -219,8 +180,7 @@ class Sampler:
         return upload(torch.from_numpy(keys), device)
 
     def _filtered_probs(self, logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
-        """Probabilities after temperature and filters; ``params`` are sampled rows only (no
-        greedy one), so every temperature is at least ``MIN_TEMPERATURE``."""
+        """Probabilities after temperature and filters (``params``: sampled rows only)."""
         device, vocab = logits.device, logits.shape[-1]
         temperature = device_tensor([p.temperature for p in params], torch.float32, device)
         probs = torch.softmax(logits / temperature.unsqueeze(-1), dim=-1)

@@ -1,22 +1,13 @@
-"""The elementwise work between a decoder layer's matrix products, one function per gap.
-
-Each function is plain torch, written to compute exactly what transformers computes (the CPU
-path is token-exact with it). On CUDA in half precision ``LayerOps(compile=True)`` hands each
-one to ``torch.compile``, which fuses it into a kernel or two: a layer then runs about a
-dozen kernels instead of about thirty (rotary alone was ten), and a decode step is bound by
-memory traffic rather than by the count of tiny kernels.
-
-The new K and V are written to the page pool by the same function that rotates them
-(``qk_norm_rope_store``): inductor turns the assignment into a scatter inside that kernel,
-in place, as it does for gpt-fast's static caches. Attention itself stays outside.
-"""
+"""The elementwise ops between a decoder layer's matrix products: torch references with
+Triton and C implementations registered per op. See docs/architecture.md, 'Fused layer ops'."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from attrs import frozen
 from torch.nn import functional as F
 
 from asyncinfer.kvcache.pool import store_kv
@@ -29,11 +20,7 @@ Tensor = torch.Tensor
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``weight * x / rms(x)``: the reduction in float32, the scale in the input dtype.
-
-    Half-precision activations on CUDA take torch's fused kernel when run eagerly (under
-    ``torch.compile`` the decomposition is fused anyway).
-    """
+    """``weight * x / rms(x)``: the reduction in float32, the scale in the input dtype."""
     dtype = x.dtype
     if x.is_cuda and dtype != torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
@@ -57,12 +44,8 @@ def _rotate_half(x: Tensor) -> Tensor:
 def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None,
                  k_weight: Tensor | None, eps: float, heads: int, kv_heads: int,
                  head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Split the fused qkv product [T, (heads + 2 kv_heads) * dim] into q, k, v, apply
-    Qwen3's per-head RMSNorm to q and k when weights are given, and rotate q and k.
-
-    ``cos``/``sin`` are [T, 1, dim] in the activations' dtype. Returns q [T, heads, dim],
-    k and v [T, kv_heads, dim] (v a view of ``qkv``).
-    """
+    """Split qkv [T, (heads + 2 kv_heads) * dim] into q, k, v; RMSNorm q and k per head when
+    weights are given; rotate q and k by ``cos``/``sin`` [T, 1, dim]. v is a view of qkv."""
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.view(-1, heads, head_dim)
@@ -77,10 +60,7 @@ def qk_norm_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor |
                        k_weight: Tensor | None, eps: float, heads: int, kv_heads: int,
                        head_dim: int, k_cache: Tensor, v_cache: Tensor,
                        slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``qk_norm_rope``, then the new k and v written to their ``slots`` of the layer's
-    caches [slots, kv_heads, dim] (widened if the cache is). Compiled, the K write happens
-    in the kernel that norms and rotates k, and V's is one small kernel: three kernels
-    where eager Qwen3 ran about fourteen."""
+    """``qk_norm_rope``, then k and v written to their ``slots`` of the layer's caches."""
     q, k, v = qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, heads, kv_heads, head_dim)
     store_kv(k_cache, v_cache, slots, k, v)
     return q, k, v
@@ -93,9 +73,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 
 def _allow_recompiles(limit: int = 64) -> None:
-    # Each model shape, a first static batch size and batch size 1 compile once per
-    # function; the default limit (8) would quietly fall back to eager in a process that
-    # serves or tests several models.
+    # Each model shape compiles a few times; the default limit (8) falls back to eager.
     config: Any = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, name):
@@ -121,61 +99,99 @@ def compiled(fn: Callable[..., Any], backend: str = "inductor") -> Callable[...,
     return torch.compile(fn, fullgraph=True, backend=backend)
 
 
+def _native_rms_norm(k: NativeKernels) -> Callable[..., Any]:
+    return lambda x, weight, eps: k.add_rms_norm(x, None, weight, eps)[0]
+
+
+@frozen
+class Op:
+    """One op's implementations: torch (the reference, compiled or not), Triton, C.
+    Invariant: each computes what the torch one does."""
+
+    torch: Callable[..., Any]
+    triton: Callable[..., Any] | None = None
+    native: Callable[[NativeKernels], Callable[..., Any]] | None = None
+
+
+ACTIVATIONS: Mapping[str, Op] = {
+    "silu": Op(silu_mul, native=lambda k: k.silu_mul),
+}
+"""Gated activations by config.json's ``hidden_act``: ``act(gate) * up`` of [T, 2 * inter]."""
+
+NORMS: Mapping[str, tuple[Op, Op]] = {
+    "rms": (Op(rms_norm, native=_native_rms_norm),
+            Op(add_rms_norm, native=lambda k: k.add_rms_norm)),
+}
+"""Norm variants: (``norm(x, w, eps)``, ``add_norm(x, residual, w, eps) -> (norm(r), r)``)."""
+
+QK_NORM_ROPE_STORE = Op(qk_norm_rope_store, triton=triton_ops.qk_norm_rope_store,
+                        native=lambda k: k.qk_norm_rope_store)
+
+
+@frozen
+class OpNames:
+    """The elementwise ops a model chooses: its activation and its norm variant."""
+
+    activation: str = "silu"
+    norm: str = "rms"
+
+
+@frozen
+class WarmUpArgs:
+    """One layer's sizes and weights, what ``LayerOps.warm_up`` calls each op with."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qk_eps: float
+    norm_weight: Tensor
+    norm_eps: float
+    q_norm_weight: Tensor | None = None
+    k_norm_weight: Tensor | None = None
+
+
 class LayerOps:
-    """The functions a layer calls between its matrix products: eager, compiled, or our CPU
-    kernels.
+    """The ops a layer calls (``norm``, ``add_norm``, ``qk_norm_rope_store``, ``act``):
+    C where ``native`` has them, else Triton when compiled where it runs, else torch."""
 
-    ``backend`` is torch.compile's ("inductor" on CUDA; tests on a CPU use "aot_eager",
-    which traces the same graphs without generating code). Compiled on a ``device`` where
-    Triton runs, ``qk_norm_rope_store`` is the hand-written kernel of layers.triton_ops.
-    With ``native`` (asyncinfer.kernels.cpu, for bfloat16 activations on a CPU) each
-    function is one C pass over the rows instead of eight to fifteen torch ops.
-    """
-
-    def __init__(self, compile: bool = False, backend: str = "inductor",
-                 device: torch.device | None = None, native: NativeKernels | None = None
-                 ) -> None:
-        self.compiled = compile
-        wrap: Callable[[Callable[..., Any]], Callable[..., Any]] = (
-            (lambda fn: compiled(fn, backend)) if compile else (lambda fn: fn))
-        self.rms_norm = wrap(rms_norm)
-        self.add_rms_norm = wrap(add_rms_norm)
-        # Inductor makes three kernels of this one; a hand-written Triton kernel does it in
-        # one where it can run (compiled engines on CUDA).
+    def __init__(self, names: OpNames | None = None, compile: bool = False,
+                 backend: str = "inductor", device: torch.device | None = None,
+                 native: NativeKernels | None = None) -> None:
+        names = names or OpNames()
+        self.names, self.compiled = names, compile
         self.triton = compile and device is not None and triton_ops.available(device, "rope")
-        self.qk_norm_rope_store = (triton_ops.qk_norm_rope_store if self.triton
-                                   else wrap(qk_norm_rope_store))
-        self.silu_mul = wrap(silu_mul)
-        if native is not None:
-            self.rms_norm = lambda x, weight, eps: native.add_rms_norm(x, None, weight, eps)[0]
-            self.add_rms_norm = native.add_rms_norm
-            self.qk_norm_rope_store = native.qk_norm_rope_store
-            self.silu_mul = native.silu_mul
+        norm, add_norm = NORMS[names.norm]
+        self.norm = self._pick(norm, backend, native)
+        self.add_norm = self._pick(add_norm, backend, native)
+        self.qk_norm_rope_store = self._pick(QK_NORM_ROPE_STORE, backend, native)
+        self.act = self._pick(ACTIVATIONS[names.activation], backend, native)
+
+    def _pick(self, op: Op, backend: str, native: NativeKernels | None) -> Callable[..., Any]:
+        if native is not None and op.native is not None:
+            return op.native(native)
+        if self.triton and op.triton is not None:
+            return op.triton
+        return compiled(op.torch, backend) if self.compiled else op.torch
 
     @torch.inference_mode()
-    def warm_up(self, layer: Any, rotary: Any, embedding: Tensor, k_cache: Tensor,
-                v_cache: Tensor) -> None:
-        """Compile every function for the token counts it will see: any count (dynamic),
-        and 1, which torch.compile specializes. ``layer`` is a DecoderLayer of the model;
-        the caches are a layer's of the (still empty) pool: slot 0 is written."""
-        attn = layer.self_attn
-        hidden, dtype, device = embedding.shape[1], embedding.dtype, embedding.device
-        qkv_width = (attn.heads + 2 * attn.kv_heads) * attn.head_dim
-        inter = layer.mlp.down_proj.weight.shape[1]
-        norm = layer.input_layernorm
-        q_w = None if attn.q_norm is None else attn.q_norm.weight
-        k_w = None if attn.k_norm is None else attn.k_norm.weight
+    def warm_up(self, args: WarmUpArgs, rotary: Any, k_cache: Tensor, v_cache: Tensor) -> None:
+        """Compile every op for the token counts it will see (slot 0 of the caches is written)."""
+        dtype, device = args.norm_weight.dtype, args.norm_weight.device
+        qkv_width = (args.heads + 2 * args.kv_heads) * args.head_dim
+        weight, eps = args.norm_weight, args.norm_eps
         for tokens in WARM_UP_ROWS:
             tables = rotary.lookup(torch.zeros(tokens, dtype=torch.int64, device=device),
                                    dtype)
             x, qkv, gate_up, slots, cos, sin = dynamic_rows(
-                torch.zeros(tokens, hidden, dtype=dtype, device=device),
+                torch.zeros(tokens, args.hidden, dtype=dtype, device=device),
                 torch.zeros(tokens, qkv_width, dtype=dtype, device=device),
-                torch.zeros(tokens, 2 * inter, dtype=dtype, device=device),
+                torch.zeros(tokens, 2 * args.intermediate, dtype=dtype, device=device),
                 torch.zeros(tokens, dtype=torch.int64, device=device), *tables)
-            self.rms_norm(x, norm.weight, norm.eps)
-            self.add_rms_norm(x, x, norm.weight, norm.eps)
-            self.qk_norm_rope_store(qkv, cos, sin, q_w, k_w, attn.eps,
-                                    attn.heads, attn.kv_heads, attn.head_dim, k_cache,
-                                    v_cache, slots)
-            self.silu_mul(gate_up)
+            self.norm(x, weight, eps)
+            self.add_norm(x, x, weight, eps)
+            self.qk_norm_rope_store(qkv, cos, sin, args.q_norm_weight, args.k_norm_weight,
+                                    args.qk_eps, args.heads, args.kv_heads, args.head_dim,
+                                    k_cache, v_cache, slots)
+            self.act(gate_up)

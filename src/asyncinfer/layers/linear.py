@@ -1,25 +1,6 @@
-"""Linear layers, including ones that load several checkpoint tensors into one fused weight.
-
-On a CPU without native bf16/fp16 matrix units, a half-precision GEMM is emulated and several
-times slower than float32. There ``use_fp32_shadow`` keeps a float32 copy of the weight and
-multiplies in float32: half-precision inputs and weights, float32 accumulation, output
-rounded back — the arithmetic of a native bf16 GEMM, at float32 speed.
-
-On a CPU with those units ``pack_for_cpu`` keeps a packed copy of the weight too. Where the
-CPU has AMX tile units and our kernels build (``kernels.cpu``), the copy is in the tiles'
-own layout for our kernel, which streams the weights at decode sizes faster than oneDNN's
-kernels do for these shapes (about 1.6x at one row, 1.2x at forty). An AVX-512 CPU without
-AMX gets the same layout, for a kernel that widens the bf16 weights to float32 in registers
-and multiplies by float32 FMAs: on such CPUs bf16 dot products can issue at a fraction of
-the FMAs' rate (docs/benchmarks.md), and torch's bf16 products are then slower than that at
-every size, so the copy takes every product. Otherwise the copy is in oneDNN's blocked
-layout: torch's own bf16 GEMM goes through oneDNN, but reorders the weight on every call,
-which at decode sizes (tens of rows) costs as much as the product; packed once, a decode
-step's products take about half the time, with the same results. Prefill-sized products
-(thousands of rows) are about a tenth faster through torch's path, which blocks for their
-size: ``PACKED_ROWS`` is where the forward switches. Both copies are kept where memory
-allows; otherwise the packed weight replaces the plain one and takes every product.
-"""
+"""Linear layers: plain, fused (several checkpoint tensors in one weight), and a tied head,
+each optionally through a float32 shadow or a packed copy. See docs/architecture.md, 'CPU
+matrix products'."""
 
 from __future__ import annotations
 
@@ -35,11 +16,11 @@ if TYPE_CHECKING:
     from asyncinfer.memory import Slab
 
 PACKED_ROWS = 512
-"""Products of at most this many rows use the packed weight (see the module docstring)."""
+"""Products of at most this many rows use the packed weight (larger: torch's own path)."""
 
 
 class Linear(nn.Module):
-    """y = x Wᵀ + b, optionally through a float32 shadow of W (see the module docstring)."""
+    """y = x Wᵀ + b, optionally through a float32 shadow or a packed copy of W."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -56,13 +37,7 @@ class Linear(nn.Module):
 
     def pack_for_cpu(self, rows_hint: int, keep_plain: bool = True,
                      kernels: NativeKernels | None = None, slab: Slab | None = None) -> None:
-        """Multiply through a packed copy of the weight from now on (a CPU with native
-        half-precision units; call after the weights are final): for ``kernels``' product
-        where it takes the weight, else oneDNN's. ``rows_hint``: the row count oneDNN picks
-        its blocking for (any count still works). Without ``keep_plain`` the plain weight's
-        memory is given back and the packed copy takes products of any size (as the AVX-512
-        kernel's always does: it is the faster at every size). ``slab``: where our kernels'
-        copy goes (``pack_weight``)."""
+        """Multiply through a packed copy from now on (without ``keep_plain``: it alone)."""
         self.packed = pack_weight(self.weight, rows_hint, kernels, slab)
         self.packed_rows = None if self.packed.takes_all_rows else PACKED_ROWS
         if not keep_plain:
@@ -79,10 +54,7 @@ class Linear(nn.Module):
 
 
 class MergedLinear(Linear):
-    """One matmul for several projections of the same input; ``load(i, w)`` fills part i.
-
-    The output stays fused, [..., sum(sizes)]: the caller splits it where it uses it.
-    """
+    """One matmul for several projections; ``load(i, w)`` fills part i; the output stays fused."""
 
     def __init__(self, in_features: int, out_features: list[int], bias: bool = False) -> None:
         super().__init__(in_features, sum(out_features), bias)
@@ -99,6 +71,34 @@ class MergedLinear(Linear):
             target[start : start + size].copy_(weight)
 
 
+class TiedHead(nn.Module):
+    """The LM head of a model whose embedding is its head (a shadow or packed copy of its own)."""
+
+    embedding: nn.Embedding
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        object.__setattr__(self, "embedding", embedding)  # a reference, not a submodule
+        self.shadow: torch.Tensor | None = None
+        self.packed: PackedWeight | None = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embedding.weight
+
+    def use_fp32_shadow(self) -> None:
+        """Multiply in float32 from now on (call after the weights are final)."""
+        self.shadow = self.weight.detach().float()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and (hidden.shape[0] <= PACKED_ROWS
+                                        or self.packed.takes_all_rows):
+            return self.packed(hidden)
+        if self.shadow is not None:  # rounded as a native half-precision GEMM rounds
+            return F.linear(hidden.float(), self.shadow).to(hidden.dtype)
+        return F.linear(hidden, self.weight)
+
+
 def can_pack(dtype: torch.dtype) -> bool:
     """Whether oneDNN multiplies ``dtype`` natively on this CPU, so packing pays."""
     mkldnn = torch.ops.mkldnn
@@ -111,8 +111,7 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 @define
 class PackedWeight:
-    """A weight [out, in] packed once for this CPU's matrix units: in the AMX tile layout for
-    ``kernels``' product, or (``kernels`` None) in oneDNN's blocked layout."""
+    """A weight [out, in] packed once: for ``kernels``' product, or (None) oneDNN's layout."""
 
     data: torch.Tensor
     out_features: int
@@ -120,8 +119,7 @@ class PackedWeight:
 
     @property
     def takes_all_rows(self) -> bool:
-        """Whether products of every size should come here: our AVX-512 kernel's, which
-        beats torch's bf16 products (that CPU's bf16 dot products are slow) at any size."""
+        """Whether products of every size come here (our AVX-512 kernel's: faster at any size)."""
         return self.kernels is not None and self.kernels.products == "avx512"
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,9 +137,7 @@ class PackedWeight:
 
 def pack_weight(weight: torch.Tensor, rows_hint: int, kernels: NativeKernels | None = None,
                 slab: Slab | None = None) -> PackedWeight:
-    """``weight`` [out, in] packed once (see the module docstring): for ``kernels``' product
-    where it takes the weight (into the next slice of ``slab`` where given), else in
-    oneDNN's layout for ``rows_hint`` rows."""
+    """``weight`` packed for ``kernels`` where they take it (into ``slab``), else for oneDNN."""
     if kernels is not None and kernels.packs(weight):
         out = None if slab is None else slab.take(weight.numel(), torch.bfloat16)
         return PackedWeight(kernels.pack(weight, out), weight.shape[0], kernels)
@@ -150,10 +146,7 @@ def pack_weight(weight: torch.Tensor, rows_hint: int, kernels: NativeKernels | N
 
 
 def keeps_both_copies(weight_bytes: int, share: float = 0.125) -> bool:
-    """Whether a packed copy of ``weight_bytes`` of weights can sit beside the plain ones:
-    when it takes at most ``share`` of the machine's memory (unknown: no). The total, not
-    what is free now, so that every run and every tensor-parallel rank on a machine
-    decides alike and computes alike."""
+    """Whether a packed copy fits beside the plain weights (``share`` of total memory)."""
     try:
         with open("/proc/meminfo") as f:
             line = next(line for line in f if line.startswith("MemTotal:"))

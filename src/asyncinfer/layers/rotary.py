@@ -1,10 +1,13 @@
-"""Rotary position embedding with every rope type transformers knows (default, llama3, yarn...)."""
+"""Rotary position embedding, tabled once: the rope types whose frequencies are fixed."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 import torch
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""Rope types computed here (as transformers does); the others change with the length."""
 
 
 def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -21,10 +24,8 @@ def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding:
-    """Rotates q and k by position; cos/sin are tabled in float32 up to ``max_positions``.
-
-    A plain object, not a module: its tables are derived, never loaded, cast or emptied.
-    """
+    """cos/sin tabled in float32 up to ``max_positions``; a plain object, not a module (its
+    tables are never loaded, cast or emptied)."""
 
     def __init__(
         self, hf_config: Any, head_dim: int, max_positions: int, device: torch.device

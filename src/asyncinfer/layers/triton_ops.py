@@ -1,22 +1,5 @@
-"""Triton kernels for the gaps torch.compile cannot close in one kernel.
-
-``qk_norm_rope_store``: inductor turns the split of the fused qkv product, Qwen3's q and k
-norms, rotary and the K/V cache writes into three kernels (q and k have different head
-counts, so their norms are two reductions, and V's store a third kernel). In a decode step
-of a small model every kernel is short, and each costs a launch and a ramp: this does all
-of it in one, one program per token and group of heads (``rope_group``).
-
-Used on CUDA when Triton is importable (``LayerOps`` picks it); the reference is
-``asyncinfer.layers.fused.qk_norm_rope_store``, which it matches to a rounding (it keeps
-float32 between the norm's scale and the rotation, as inductor does).
-
-``race``: the sampler's Gumbel-max pass (``engine.sampler.race``) with the vocabulary cut in
-chunks of 4,096 columns, one program per (row, chunk), and a second kernel that takes each
-row's best chunk. torch.compile makes one program per row, which at batch 1 is a single
-program walking 152k columns, and at 256 rows two waves of long programs. The noise is the
-same 32-bit hash, computed in native uint32 arithmetic (the torch version emulates it in
-int64), so the tokens are the same as the torch function's up to the rounding of ``log``.
-"""
+"""Triton kernels for the gaps torch.compile cannot close in one kernel: ``qk_norm_rope_store``
+(reference: layers.fused) and the sampler's ``race``. See docs/architecture.md, 'Triton ops'."""
 
 from __future__ import annotations
 
@@ -35,9 +18,8 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 
 def available(device: torch.device, op: str = "") -> bool:
-    """Whether the Triton kernels can run on ``device``: Triton is importable and the device
-    is CUDA (or Triton's interpreter runs them on the CPU, ``TRITON_INTERPRET=1``). ``op``
-    names the caller's kernel ("race", "rope"); every kernel here is available together."""
+    """Whether the Triton kernels run on ``device`` (CUDA, or ``TRITON_INTERPRET=1``); ``op``
+    names the caller's kernel ("race", "rope")."""
     del op
     return triton is not None and (device.type == "cuda"
                                    or os.environ.get("TRITON_INTERPRET") == "1")
@@ -161,8 +143,7 @@ RACE_BLOCK = 4096
 
 
 def race(logits: Tensor, inv_temperature: Tensor, keys: Tensor) -> Tensor:
-    """``engine.sampler.race`` in two Triton kernels (same arguments, same tokens up to the
-    rounding of ``log``): int64 token ids [B]."""
+    """``engine.sampler.race`` in two Triton kernels (same tokens up to ``log``'s rounding)."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -181,10 +162,7 @@ def race(logits: Tensor, inv_temperature: Tensor, keys: Tensor) -> Tensor:
 
 
 def rope_group(tokens: int) -> tuple[int, int]:
-    """Heads per program and warps for ``tokens`` tokens: one head a program for a few tokens
-    (a decode step of a small batch is bound by one program's latency), eight for many (each
-    program then amortises its cos/sin loads and launch over more work), four between; the
-    groupings were measured against each other (see docs/benchmarks.md)."""
+    """Heads per program and warps for ``tokens`` tokens (measured: docs/benchmarks.md)."""
     if tokens < 16:
         return 1, 1
     if tokens < 128:
@@ -196,9 +174,7 @@ def qk_norm_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor |
                        k_weight: Tensor | None, eps: float, heads: int, kv_heads: int,
                        head_dim: int, k_cache: Tensor, v_cache: Tensor,
                        slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``layers.fused.qk_norm_rope_store`` in one Triton kernel (same arguments, same
-    results): q [T, heads, dim] and k [T, kv_heads, dim] normed and rotated, v a view of
-    ``qkv``; k and v written to their ``slots`` of the caches."""
+    """``layers.fused.qk_norm_rope_store`` in one Triton kernel (same arguments and results)."""
     tokens = qkv.shape[0]
     assert qkv.stride(-1) == 1 and head_dim % 2 == 0 and (head_dim & (head_dim - 1)) == 0
     assert k_cache.stride(1) == v_cache.stride(1) == head_dim, "caches [slots, heads, dim]"

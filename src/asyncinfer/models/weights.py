@@ -12,8 +12,7 @@ from torch import nn
 from asyncinfer.errors import ModelNotFoundError
 from asyncinfer.models.source import Progress
 
-# What part of a tensor to read, given its name and full shape: None, all of it; (dim,
-# start, stop), that range along dim; ZEROS, none of it (zeros of the full shape).
+# Part of a tensor to read: None, all; (dim, start, stop); ZEROS, zeros of the full shape.
 Part = tuple[int, int, int] | None
 ZEROS = (-1, 0, 0)
 
@@ -21,9 +20,7 @@ ZEROS = (-1, 0, 0)
 def iter_safetensors(model_dir: Path,
                      part: Callable[[str, tuple[int, ...]], Part] | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every ``*.safetensors`` shard in the directory; with ``part``, only
-    the part of each it names is read from the file (a tensor-parallel rank reads its own
-    slices, not the whole model)."""
+    """Every tensor of the directory's ``*.safetensors`` shards (with ``part``: only that part)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -47,7 +44,6 @@ def iter_safetensors(model_dir: Path,
                     dim, start, stop = wanted
                     index = tuple([slice(None)] * dim + [slice(start, stop)])
                     yield name, lazy[index]
-                # The checkpoint's bytes gone through, whatever part of them this rank read.
                 progress.update(math.prod(shape) * _ITEM_BYTES.get(lazy.get_dtype(), 2))
     progress.close("loaded")
 

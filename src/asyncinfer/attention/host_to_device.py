@@ -1,10 +1,4 @@
-"""Host-to-device copies that never block the host: pinned memory, non-blocking copies.
-
-A copy from pageable memory (``torch.tensor(..., device="cuda")``, ``.to("cuda")``) makes the
-host wait for every kernel queued before it, which would undo the overlap of scheduling with
-compute. Copies made here are ordered on the current stream instead. The attention
-backends upload their plans through these, and the runner its inputs.
-"""
+"""Host-to-device copies that never block the host: pinned memory, non-blocking copies."""
 
 from __future__ import annotations
 

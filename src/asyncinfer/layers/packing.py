@@ -1,0 +1,39 @@
+"""Passes over a model's Linear modules: float32 shadows, or packed copies for this CPU."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from asyncinfer.layers.linear import Linear, TiedHead, keeps_both_copies, pack_weight
+from asyncinfer.memory import Slab
+
+if TYPE_CHECKING:
+    from asyncinfer.kernels.cpu import NativeKernels
+
+
+def use_fp32_shadows(model: nn.Module) -> None:
+    """Run every matrix product of ``model`` in float32 over a copy of its weights."""
+    for module in model.modules():
+        if isinstance(module, Linear | TiedHead):
+            module.use_fp32_shadow()
+
+
+def pack_for_cpu(model: nn.Module, rows_hint: int, kernels: NativeKernels | None = None) -> None:
+    """Run ``model``'s matrix products through packed weights (``kernels``' where it takes
+    them, else oneDNN's): beside the plain ones where memory allows, else instead of them.
+    A tied head gets its own packed copy; the embedding stays."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    heads = [m for m in model.modules() if isinstance(m, TiedHead)]
+    keep = keeps_both_copies(sum(m.weight.nbytes for m in linears))
+    # Our kernels' copies side by side in huge pages: a decode step streams them all.
+    weights = [m.weight for m in linears] + [h.weight for h in heads]
+    sizes = [(w.numel(), torch.bfloat16) for w in weights
+             if kernels is not None and kernels.packs(w)]
+    slab = Slab(sizes) if sizes else None
+    for module in linears:
+        module.pack_for_cpu(rows_hint, keep_plain=keep, kernels=kernels, slab=slab)
+    for head in heads:
+        head.packed = pack_weight(head.weight, rows_hint, kernels, slab)
