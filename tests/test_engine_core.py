@@ -17,7 +17,7 @@ import pytest
 from asyncinfer.api import AsyncEngine
 from asyncinfer.ipc import messages as msg
 from asyncinfer.ipc.client import EngineClient
-from asyncinfer.ipc.core import EngineCore
+from asyncinfer.ipc.core_process import EngineCore
 from asyncinfer.params import SamplingParams
 from asyncinfer.tokenizer import Tokenizer
 from tests.test_async_engine import greedy, tiny_engine

@@ -1,16 +1,6 @@
-"""The engine core: an ``AsyncEngine`` in a process of its own, fed over ZeroMQ.
-
-The core's event loop does nothing but the engine's work: it takes requests and aborts from
-the fronts' inbound socket, runs the coordinator (which awaits the device as it does
-in-process), and sends each front one :class:`~.messages.Out` per round, gathered from the
-events the round delivered (a flush scheduled with the first event of a round runs once the
-round has delivered them all, while the next batch computes). Between rounds that deliver
-nothing, changed counters go out every 0.1 s, so a front's admission sees the queue drain.
-
-The process ignores SIGINT (the server that started it coordinates a Ctrl-C: fronts drain
-first, then tell the core to stop); SIGTERM, a :class:`~.messages.Shutdown`, or the exit of
-the server process stops it, ending what is still open.
-"""
+"""The engine core process: an ``AsyncEngine`` fed over ZeroMQ, one :class:`~.messages.Out`
+per round per front. It ignores SIGINT (the server drains its fronts first); SIGTERM, a
+Shutdown or the server's exit stops it. See docs/architecture.md, "The engine core"."""
 
 from __future__ import annotations
 
