@@ -59,6 +59,20 @@ class Served:
             await asyncio.sleep(0.01)
 
 
+def test_sampling_params_cross_by_field_name() -> None:
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.1,
+                            seed=2**64 - 1, stop=("x", "yz"), ignore_eos=True,
+                            skip_special_tokens=False, priority=-3, tenant="t")
+    add = msg.decode_inbound(msg.encode(msg.Add(1, 2, [3, 4], msg.params_fields(params))))
+    assert isinstance(add, msg.Add) and (add.front, add.uid, add.prompt_ids) == (1, 2, [3, 4])
+    assert add.params["seed"] == 2**64 - 1 and add.params["tenant"] == "t"
+    assert msg.params_from(add.params) == params
+    # By name: a field left out is its default, whatever the order of the rest.
+    assert msg.params_from({"tenant": "u", "max_tokens": 3}) == SamplingParams(3, tenant="u")
+    with pytest.raises(TypeError):
+        msg.params_from({"max_tokens": 3, "no_such_field": 1})
+
+
 def prompts(n: int, seed: int = 3) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
