@@ -189,6 +189,16 @@ class Coordinator:
         if self._sync_thread is not None:
             self._sync_thread.shutdown(wait=self._lost is None)
 
+    async def join(self) -> None:
+        """Await the loop's end; raises what ended it, if an error."""
+        assert self._task is not None, "not started"
+        await self._task
+
+    async def wait_stopped(self) -> None:
+        """Return once the loop has ended (stopped, or died); raises and cancels nothing."""
+        if self._task is not None:
+            await asyncio.wait([self._task])
+
     async def wait_idle(self) -> None:
         """Return once every command is applied and nothing runs or waits (or the loop died)."""
         while self._task is None or not self._task.done():
