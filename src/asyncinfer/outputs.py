@@ -119,8 +119,7 @@ class TokenChannel:
             waiter.set_result(None)
 
     async def take(self) -> tuple[list[int], Event | None]:
-        """The tokens since the last call (waiting for at least one, or the end) and the
-        last event if the request has finished."""
+        """The tokens since the last call (awaiting one, or the end), and the last event."""
         while not self._tokens and self.last is None:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -182,8 +181,7 @@ class Front(ABC):
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None
                        ) -> RequestOutput:
-        """Run one request to the end. Without stop strings its reader wakes once, at the
-        end (a Collector); with them the stream is read."""
+        """Run one request to the end (woken once, unless stop strings need the stream)."""
         request = self._open(prompt, params)
         if request.params.stop:
             output = None
@@ -221,8 +219,7 @@ class Front(ABC):
         return _Request(self.new_uid(), prompt, self.encode(prompt), params)
 
     async def _deltas(self, request: _Request) -> AsyncIterator[StreamDelta]:
-        """Submitted when the first delta is awaited; a matched stop string or a reader
-        that stops early aborts it."""
+        """Submitted at the first await; a stop string or an early exit aborts it."""
         arrival = time.perf_counter()
         channel = TokenChannel()
         self.submit(request.uid, request.ids, request.params, channel)

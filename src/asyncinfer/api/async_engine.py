@@ -33,11 +33,8 @@ _DEFAULT_POLICY = str(attrs.fields(EngineConfig).policy.default)
 
 
 class AsyncEngine(Front):
-    """The engine in-process: ``await generate(...)``, ``async for d in stream(...)``.
-
-    Options are :class:`~asyncinfer.config.EngineConfig`'s keywords; ``policy`` may be a
-    registered name or a Policy instance. Use ``async with AsyncEngine(...) as engine``.
-    """
+    """The engine in-process, ``async with AsyncEngine(...)``: EngineConfig's options as
+    keywords; ``policy`` a registered name or a Policy instance."""
 
     def __init__(self, model: str | None = None, *, policy: str | Policy | None = None,
                  skip_tokenizer_init: bool = False, **engine_options: Any) -> None:
@@ -50,15 +47,12 @@ class AsyncEngine(Front):
         self.model_name = model_dir.name
         self.config = EngineConfig(model=str(model_dir), **engine_options)
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(model_dir)
-        # Without a process group this process is rank 0 and starts the others.
         self._ranks = (launch_ranks(self.config, model_dir, given, _follow)
                        if needs_ranks(self.config) else None)
-        # The model is built on the thread that runs its batches: see _compute_thread.
         self._compute: ThreadPoolExecutor | None = _compute_thread()
         try:
             build = partial(create_runner, self.config, model_dir)
-            # On CUDA the current device is per thread: build where the loop's own calls
-            # (and those of the code around it) see it.
+            # On CUDA the current device is per thread: build on the loop's.
             self.runner = build() if self.config.is_cuda else self._compute.submit(build).result()
         except BaseException:
             self._compute.shutdown()
@@ -70,7 +64,7 @@ class AsyncEngine(Front):
         self.scheduler = Scheduler(self.runner, self.policy, self.config, eos)
         self.overlap = self.config.overlap
         tp = self.runner.tp
-        # Every rank builds its channel here, in the same order (a collective call).
+        # A collective call: every rank builds its channel here, in the same order.
         self.sync = (RoundSync(tp.rank, tp.size, check_every=self.config.tp_guard_interval,
                                describe=self._ranks.describe if self._ranks else None)
                      if tp.size > 1 else None)
@@ -78,15 +72,12 @@ class AsyncEngine(Front):
         self._uids = itertools.count()
         self._froze_gc = self.config.freezes_gc
         if self._froze_gc:
-            # Start-up objects live as long as the engine: out of full collections' walk.
             gc.collect()
             gc.freeze()
 
     async def start(self) -> None:
         """Start the coordinator on the running event loop."""
         if self._coordinator is None:
-            # The coordinator runs the batches on the thread that built the model, and
-            # ends it when it stops (a later start gets a new one).
             compute, self._compute = self._compute or _compute_thread(), None
             self._coordinator = Coordinator(self.scheduler, self.runner.launch, self.overlap,
                                             self.runner.synchronize, self.sync,
@@ -94,9 +85,8 @@ class AsyncEngine(Front):
             self._coordinator.start()
 
     async def follow(self) -> None:
-        """Run as a tensor-parallel rank other than 0: apply rank 0's requests and aborts
-        round by round, forming the same batches, until rank 0 stops (or the ranks
-        diverge: then RankDivergedError)."""
+        """Run as a tensor-parallel rank other than 0, applying rank 0's commands round by
+        round until it stops (RankDivergedError if the ranks diverge)."""
         if self.sync is None or self.sync.leader:
             raise RuntimeError("follow() is for tensor-parallel ranks other than 0")
         await self.start()
@@ -107,10 +97,8 @@ class AsyncEngine(Front):
             await self.close()
 
     async def close(self) -> None:
-        """Fail what is still running, wait for the batch in flight, stop the loop.
-
-        An engine that froze the heap (``freeze_gc``) unfreezes it, all of it: the runner
-        sits in reference cycles, and frozen, its KV pool could never be collected."""
+        """Fail what is still running, wait for the batch in flight, stop the loop; unfreeze
+        a heap ``freeze_gc`` froze (see docs/architecture.md, "Freezing the heap")."""
         failed = False
         if self._compute is not None:  # never started
             self._compute.shutdown()
@@ -120,13 +108,12 @@ class AsyncEngine(Front):
             await self._coordinator.stop()
             self._coordinator = None
         elif self.sync is not None and self.sync.leader and not self.sync.closing:
-            # Never started: the other ranks wait for this one's first round; it is a stop.
+            # Never started: the other ranks wait for a first round; send a stop.
             self.sync.closing = True
             with contextlib.suppress(Exception):
                 self.sync.share([None])
         if self.sync is not None:
-            # CUDA graphs hold the collectives they captured: free them while every rank
-            # is still here, before the group is torn down.
+            # Graphs hold captured collectives: free them before the group goes.
             self.runner.release_graphs()
         self._stop_ranks(failed)
         if self._froze_gc:
@@ -134,13 +121,11 @@ class AsyncEngine(Front):
             self._froze_gc = False
 
     def _stop_ranks(self, failed: bool) -> None:
-        """Wait for the ranks this engine started to exit (they were told to stop; after a
-        failure, give them a moment to see it) and leave the process group."""
+        """Wait for the ranks this engine started to exit, then leave the process group."""
         ranks, self._ranks = self._ranks, None
         if ranks is None:
             return
-        # Every rank leaves the group together (NCCL's teardown waits for the others),
-        # then their processes exit; a rank stuck in a collective cannot hold this one.
+        # Ranks leave together (NCCL waits for all); a stuck rank cannot hold this one.
         left = failed or leave_group()
         ranks.stop(timeout=5.0 if failed or not left else STOP_TIMEOUT)
         leave_group(timeout=5.0)  # what is left of it (after an abort, what abort left)
@@ -174,21 +159,17 @@ class AsyncEngine(Front):
             self._coordinator.abort(uid)
 
     def abort_all(self) -> None:
-        """End every request waiting or running with finish_reason "abort", delivered to its
-        reader at once (a stream's last delta, ``generate``'s output), and free what they hold
-        at the engine's next round. For a server that stops waiting for its requests."""
+        """End every open request now with "abort"; their pages free at the next round."""
         if self._coordinator is not None:
             self._coordinator.abort_all()
 
     @property
     def alive(self) -> bool:
-        """True while the engine's loop runs: started, not closed, and not dead of an error
-        (then every request gets an "error" output and new ones do too)."""
+        """The loop runs: started, not closed, not dead of an error."""
         return self._coordinator is not None and self._coordinator.alive
 
     async def wait_stopped(self) -> None:
-        """Return once the engine's loop has ended: closed, or dead of an error (see
-        ``alive``)."""
+        """Return once the loop has ended: closed, or dead of an error."""
         if self._coordinator is not None:
             await self._coordinator.wait_stopped()
 
@@ -204,27 +185,24 @@ class AsyncEngine(Front):
         return EngineStats(**self._coordinator.stats())
 
     def observe_rounds(self, observer: RoundObserver | None) -> None:
-        """Call ``observer`` with a ``coordinator.Round`` after every round of the engine's
-        loop (None stops it): how a benchmark sees the host's and the device's share."""
+        """Call ``observer`` with a ``coordinator.Round`` after every round (None stops)."""
         assert self._coordinator is not None, "the engine has not started"
         self._coordinator.observer = observer
 
 
 def _compute_thread() -> ThreadPoolExecutor:
-    """The one thread an engine's model work runs on, building the model included (one
-    OpenMP team: see docs/architecture.md, "One compute thread")."""
+    """The one thread for the model's work, its building included: see
+    docs/architecture.md, "One compute thread"."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-compute")
 
 
 def _follow(rank: int, options: dict[str, Any]) -> None:
-    """A started rank's work: its engine (this rank's part of the model) following rank 0
-    until told to stop."""
+    """A started rank's work: its engine following rank 0 until told to stop."""
     options = rank_options(options)
     model = options.pop("model")
     engine = AsyncEngine(model, skip_tokenizer_init=True, **options)
     logger.info("rank %d ready", rank)
     new_event_loop().run_until_complete(engine.follow())
-    # NCCL's teardown waits for every rank: leave here, not at interpreter exit.
     leave_group()
 
 

@@ -49,8 +49,7 @@ class TokenMeter:
             self.label(self.tokens, time.perf_counter() - self.start), refresh=False)
 
     def finish(self, tokens: int) -> None:
-        """The final label, from the outputs' own counts (a stop string may drop a token
-        or two that were delivered)."""
+        """The final label, from the outputs' own counts."""
         self.tokens = tokens
         self.relabel()
 

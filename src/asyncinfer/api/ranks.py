@@ -19,8 +19,7 @@ Follow = Callable[[int, dict[str, Any]], None]
 
 
 def needs_ranks(config: EngineConfig) -> bool:
-    """Whether this engine starts its other ranks: it has some, and no process group (a
-    launcher such as torchrun's) put them in place already."""
+    """Whether this engine starts its other ranks: it has some, and no process group."""
     if config.tensor_parallel_size == 1:
         return False
     import torch.distributed as dist

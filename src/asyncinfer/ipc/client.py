@@ -54,7 +54,6 @@ class EngineClient(Front):
     async def start(self) -> None:
         """Connect to the core and start reading its messages."""
         self._ctx = zmq.asyncio.Context()
-        # Sends go through a plain socket that never blocks (no high-water mark).
         self._sync_ctx = zmq.Context()
         self._push = self._sync_ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
@@ -98,15 +97,13 @@ class EngineClient(Front):
         return self._task is not None and self._gone is None
 
     def stats(self) -> EngineStats:
-        """The core's counters as of its last message; Adds it has not taken yet count as
-        waiting."""
+        """The core's last counters; Adds it has not taken yet count as waiting."""
         in_transit = self._sent - self._received
         return self._stats if not in_transit else attrs.evolve(
             self._stats, waiting=self._stats.waiting + in_transit)
 
     def abort_all(self) -> None:
-        """End every open request of this front now (finish_reason "abort") and have the
-        core free what they hold."""
+        """End this front's open requests now with "abort"; the core frees them."""
         self._end_all("abort", None, None)
         self._send(msg.AbortAll(self.front))
 

@@ -66,7 +66,6 @@ class EngineCore:
         self._inbound = self._ctx.socket(zmq.PULL)
         self._inbound.setsockopt(zmq.RCVHWM, 0)
         self._inbound.bind(addresses.inbound)
-        # Sends go through plain sockets that never block (no high-water mark).
         self._sync_ctx = zmq.Context()
         self._outbound = []
         for front in range(fronts):
@@ -97,8 +96,7 @@ class EngineCore:
         try:
             await asyncio.wait([stopped, ended], return_when=asyncio.FIRST_COMPLETED)
             if ended.done() and not self._stop.is_set():
-                # Its loop died (a tensor-parallel rank gone): the requests ended with the
-                # reason, which goes out below; a core that cannot serve exits.
+                # Its loop died (a rank gone): the ends go out below; the core exits.
                 logger.error("the engine stopped; the engine core exits")
                 self.failed = True
         finally:

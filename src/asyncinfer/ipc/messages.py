@@ -75,15 +75,13 @@ def params_fields(params: SamplingParams) -> dict[str, Any]:
 
 
 def params_from(fields: dict[str, Any]) -> SamplingParams:
-    """The SamplingParams an Add carried (validated again; a field missing is its default,
-    an unknown one a TypeError)."""
+    """The SamplingParams an Add carried, validated again (an unknown field: TypeError)."""
     return SamplingParams(**fields)
 
 
 @attrs.frozen
 class Addresses:
-    """The core's Unix sockets: every front pushes to ``inbound``; front ``i`` pulls
-    ``outbound(i)``."""
+    """The core's Unix sockets: fronts push to ``inbound``; front ``i`` pulls ``outbound(i)``."""
 
     directory: str
 
