@@ -112,7 +112,7 @@ async def test_a_reader_that_falls_behind_gets_the_tokens_in_one_delta(
         client = served.clients[0]
         stream = client.stream([5, 6, 7], greedy(30))
         first = await stream.__anext__()
-        await asyncio.sleep(1.0)        # the engine runs on; this reader does not
+        await served.idle()             # the engine runs to the end; this reader does not
         rest = [d async for d in stream]
         assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 30
         assert any(len(d.token_ids) > 1 for d in rest)
@@ -215,13 +215,17 @@ async def test_a_core_that_dies_ends_every_request_as_unavailable(
         await stream.__anext__()
         assert client.alive
         stand_in.kill()
-        start = time.monotonic()
-        await asyncio.wait_for(exited.wait(), 1.0)
-        out = await asyncio.wait_for(whole, 1.0)
+        await asyncio.wait_for(exited.wait(), 30.0)  # a hang guard, not a timing
+        for _ in range(10):             # ended before the exit callbacks ran: a few turns
+            if whole.done():
+                break
+            await asyncio.sleep(0)
+        assert whole.done()
+        out = whole.result()
         assert (out.finish_reason, out.error_kind) == ("error", "unavailable")
+        assert len(out.token_ids) < 100
         last = [d async for d in stream][-1]
         assert last.output is not None and last.output.error_kind == "unavailable"
-        assert time.monotonic() - start < 1.0
         assert not client.alive
         late = await client.generate([1, 2], greedy(2))
         assert (late.finish_reason, late.error_kind) == ("error", "unavailable")
