@@ -51,6 +51,13 @@ class Served:
         assert self.task is not None
         await self.task
 
+    async def counters_arrive(self, client: EngineClient, timeout: float = 30.0) -> None:
+        """Until the client's counters are the core's (they arrive between rounds too)."""
+        deadline = time.monotonic() + timeout
+        while client.stats() != self.engine.stats():
+            assert time.monotonic() < deadline, "the core's counters never arrived"
+            await asyncio.sleep(0.01)
+
     async def idle(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         sched = self.engine.scheduler
@@ -97,7 +104,7 @@ async def test_two_fronts_get_the_in_process_engines_tokens(tiny_llama_dir: Path
         assert streamed[-1].output is not None
         assert streamed[-1].output.token_ids == expected[0]
         await served.idle()
-        await asyncio.sleep(0.3)        # the core's counters arrive between rounds too
+        await served.counters_arrive(a)
         stats = a.stats()
         assert stats.kv_pages_used == 0 and stats.waiting == 0 and stats.running == 0
         assert stats == served.engine.stats()
@@ -189,7 +196,7 @@ async def test_requests_in_transit_count_as_waiting(tiny_llama_dir: Path,
         assert client.stats().waiting == 5
         await asyncio.gather(*tasks)
         await served.idle()
-        await asyncio.sleep(0.3)        # the core's counters arrive between rounds too
+        await served.counters_arrive(client)
         assert client.stats().waiting == 0
 
 
