@@ -56,12 +56,16 @@ class FaultyRunner:
     def __init__(self, runner: ModelRunner, where: str, fail_at: int | None = None) -> None:
         self.runner, self.where, self.fail_at = runner, where, fail_at
         self.real = runner.launch
-        self.launches = 0
+        self.launched: list[Batch] = []
         self.failed: list[Batch] = []
         runner.launch = self.launch
 
+    @property
+    def launches(self) -> int:
+        return len(self.launched)
+
     def launch(self, batch: Batch) -> Callable[[], ForwardOutput]:
-        self.launches += 1
+        self.launched.append(batch)
         if not (self._poisoned(batch) or self.launches == self.fail_at):
             return self.real(batch)
         self.failed.append(batch)
@@ -221,10 +225,19 @@ async def test_a_recompute_longer_than_the_budget_is_chunked(
     faults = FaultyRunner(engine.runner, "forward", fail_at=fail_at)
     async with engine:
         outputs = await run_all(engine, prompts, params)
-        assert faults.failed[0].phase == "decode" and faults.failed[0].size == 3
+        [failed] = faults.failed
+        assert failed is faults.launched[fail_at - 1]
+        assert failed.phase == "decode" and failed.size == 3
+        assert [o.finish_reason for o in outputs] == ["length"] * 3
         assert [o.token_ids for o in outputs] == expected
         await assert_clean(engine)
-        assert engine.scheduler.tokens_computed  # the recompute ran in chunks of <= budget
+        # Each request recomputes alone everything before the failed decode, in chunks of
+        # at most the budget, then decodes on.
+        [done] = set(failed.ends)
+        chunks = [(start, min(start + budget, done)) for start in range(0, done, budget)]
+        recompute = [b for b in faults.launched[fail_at:] if b.phase == "prefill"]
+        assert all(b.size == 1 for b in recompute)
+        assert [(b.starts[0], b.ends[0]) for b in recompute] == chunks * 3
 
 
 async def test_refused_requests_are_invalid_not_engine_errors(tiny_llama_dir: Path) -> None:

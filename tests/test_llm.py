@@ -212,15 +212,15 @@ def test_the_model_is_built_and_run_on_one_thread_of_its_own(
         tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU, loading the weights and every batch run on one thread, not the caller's:
     a second thread starting OpenMP regions would slow every region (see
-    api._compute_thread). A restarted engine runs on a new thread."""
+    api.async_engine._compute_thread). A restarted engine runs on a new thread."""
     import threading
 
-    from asyncinfer import api
+    from asyncinfer.api import async_engine
     from asyncinfer.engine.runner import ModelRunner
 
     built: list[threading.Thread] = []  # the thread objects: an ident may be reused
     ran: list[threading.Thread] = []
-    create = api.create_runner
+    create = async_engine.create_runner
 
     def create_runner(*args, **kwargs):
         built.append(threading.current_thread())
@@ -232,7 +232,7 @@ def test_the_model_is_built_and_run_on_one_thread_of_its_own(
         ran.append(threading.current_thread())
         return forward(self, batch)
 
-    monkeypatch.setattr(api, "create_runner", create_runner)
+    monkeypatch.setattr(async_engine, "create_runner", create_runner)
     monkeypatch.setattr(ModelRunner, "_forward_here", forward_here)
     llm = LLM(str(tiny_llama_dir), skip_tokenizer_init=True, num_pages=64)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

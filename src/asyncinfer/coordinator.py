@@ -1,19 +1,5 @@
-"""The asyncio coordinator: one task that feeds the scheduler and never blocks the loop.
-
-It awaits its inbound command queue only when there is nothing to run, asks the scheduler for
-a batch, launches it, and awaits its completion in a worker thread (the loop keeps serving
-while the model computes): on a CPU the whole forward runs in that thread; on CUDA the launch
-enqueues the forward on the engine stream and records an event, and the thread only waits for
-that event. It then delivers each request's events to its channel. With ``overlap`` batch N+1 is
-scheduled and launched before the results of batch N are processed: inputs come from the
-token pool, so scheduling never needs the token values of the batch in flight.
-
-A batch whose launch or forward raises fails no request by itself: the scheduler's
-``recover`` re-queues its requests (and those of the batch launched after it, which read its
-tokens) and runs each of them alone until the one at fault is found; only a request whose
-batch fails with it alone ends in error (see scheduler.scheduler). If the loop itself dies,
-every request still waiting for events gets an error, and so does any added afterwards.
-"""
+"""The asyncio coordinator: one task that feeds the scheduler, launches batches and
+delivers their events, never blocking the loop. See docs/architecture.md, "The coordinator"."""
 
 from __future__ import annotations
 
@@ -53,9 +39,8 @@ class _Abort:
 
 @frozen
 class Round:
-    """One round of the loop, as an observer sees it: when it started (``perf_counter``),
-    seconds on the host (scheduling, launching, processing, delivering) and awaiting the
-    device, and the batch it left in flight (phase "" and size 0 when none)."""
+    """One round as an observer sees it: its start, host and device-wait seconds, and the
+    batch it left in flight (phase "" and size 0 when none)."""
 
     start: float
     host_s: float
@@ -93,24 +78,19 @@ class Coordinator:
         self._rounds = 0
         self._round_s = 0.0                     # seconds in rounds, waits included
         self._device_s = 0.0                    # seconds the device spent on batches
-        # Where the batches run and are awaited (``executor``, the thread that built the
-        # model, where given); shut down when the loop stops.
+        # Where batches run and are awaited; shut down when the loop stops.
         self._executor = executor or ThreadPoolExecutor(max_workers=1,
                                                         thread_name_prefix="asyncinfer-wait")
         self._task: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()            # set while the loop waits with nothing to do
         self.observer: RoundObserver | None = None  # called after every round, if set
-        # Tensor parallelism: rank 0 leads (its commands go to every rank), the others
-        # follow, and each round's batch is compared across the ranks. The exchanges run in
-        # a thread of their own: the loop stays free to notice a rank that is gone.
+        # Rank 0 leads, the others follow; exchanges run off the loop (see "The coordinator").
         self.sync = sync
         self._sync_thread = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncinfer-sync")
                              if sync is not None else None)
         self._sampled: list[int] = []           # the tokens of the last batch processed
         self._lost: RankError | None = None   # why the loop was ended from outside
         self._unwatch: list[Callable[[], None]] = []
-
-    # ---- frontend side ---------------------------------------------------------------------
 
     def add(self, uid: int, prompt_ids: list[int], params: SamplingParams,
             channel: Channel) -> None:
@@ -135,8 +115,7 @@ class Coordinator:
         self._commands.put_nowait(_Abort(uid, notify))
 
     def abort_all(self) -> None:
-        """End every request now: each channel gets a last "abort" event at once (even while
-        the loop awaits a batch), and the loop frees what they hold at its next round."""
+        """End every request now with "abort"; the loop frees them at its next round."""
         sched = self.scheduler
         prefix = {r.uid: r.prefix_len for r in [*sched.waiting, *sched.running.values()]}
         for uid in list(self._channels):
@@ -164,8 +143,7 @@ class Coordinator:
                 self._unwatch.append(watch_exit(pid, partial(self._rank_gone, rank)))
 
     def _rank_gone(self, rank: int) -> None:
-        """Another rank's process exited: end the loop (it may be waiting in a collective
-        that needs that rank) and every request with the reason."""
+        """Another rank's process exited: end the loop and every request with the reason."""
         assert self.sync is not None
         if self.sync.closing or self._task is None or self._task.done():
             return
@@ -184,10 +162,19 @@ class Coordinator:
         self._task = None
         for unwatch in self._unwatch:
             unwatch()
-        # A thread waiting in a collective with a rank that is gone may never return.
         self._executor.shutdown(wait=self._lost is None)
         if self._sync_thread is not None:
             self._sync_thread.shutdown(wait=self._lost is None)
+
+    async def join(self) -> None:
+        """Await the loop's end; raises what ended it, if an error."""
+        assert self._task is not None, "not started"
+        await self._task
+
+    async def wait_stopped(self) -> None:
+        """Return once the loop has ended (stopped, or died); raises and cancels nothing."""
+        if self._task is not None:
+            await asyncio.wait([self._task])
 
     async def wait_idle(self) -> None:
         """Return once every command is applied and nothing runs or waits (or the loop died)."""
@@ -196,8 +183,6 @@ class Coordinator:
             if self._commands.empty():
                 return
             await asyncio.sleep(0)
-
-    # ---- the loop --------------------------------------------------------------------------
 
     async def _run(self) -> None:
         why, kind = "the engine loop stopped", cast(ErrorKind, "engine")
@@ -219,7 +204,6 @@ class Coordinator:
         finally:
             if self.sync is not None and kind == "unavailable":
                 self.sync.closing = True  # this rank stops: the others' exits are expected
-            # Nothing will answer these any more: end them rather than leave readers hanging.
             for uid in list(self._channels):
                 self._deliver([Event(uid, None, "error", why, error_kind=kind)])
             self._idle.set()
@@ -293,7 +277,6 @@ class Coordinator:
             failed.set_exception(exc)
             return _Launched(scheduled, failed)
         future = loop.run_in_executor(self._executor, wait)
-        # A loop ended from outside never awaits it: its error is not news then.
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         return _Launched(scheduled, future)
 
@@ -339,7 +322,6 @@ class Coordinator:
         logger.error("batch %d (%s of %d requests) failed; %s", failed.scheduled.seq,
                      batch.phase, batch.size, "its request is failed" if batch.size == 1
                      else "its requests are re-queued, each to run alone", exc_info=exc)
-        # Nothing may still touch their rows and pages when they are released.
         if later is not None:
             with contextlib.suppress(Exception):
                 await later.future
@@ -394,7 +376,6 @@ class Coordinator:
 
     async def _fail_all(self, message: str) -> None:
         """End every request with an error and return the scheduler to a clean state."""
-        # Whatever is still running in the worker must stop touching rows and pages first.
         await self._synchronized()
         self._deliver(self.scheduler.take_events())
         self.scheduler.abort_all()
@@ -402,15 +383,10 @@ class Coordinator:
             self._deliver([Event(uid, None, "error", message, error_kind="engine")])
 
     def stats(self) -> dict[str, Any]:
-        """Counts for metrics: waiting, running, pages, batches by phase, prefix-cache
-        lookups (see scheduler.cache.PrefixCacheStats), and the loop's rounds with the
-        seconds they took on the host and awaiting the device (the host's share is what
-        a faster device cannot shorten), and the seconds the device was busy with batches
-        (CUDA; what is left of the wall time, it idled)."""
+        """The fields of ``outputs.EngineStats``; adds not yet applied count as waiting."""
         sched = self.scheduler
         total = sched.engine.num_pages
         prefix = sched.cache.stats
-        # Added requests the loop has not applied yet wait too: admission limits see them.
         return {"waiting": len(sched.waiting) + self._queued_adds,
                 "running": len(sched.running),
                 "kv_pages_total": total,

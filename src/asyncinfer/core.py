@@ -1,7 +1,5 @@
-"""The nouns every layer shares: a batch, what a forward returns, and what a round reports
-per request. A leaf: it imports no other asyncinfer module but ``params``, and torch only
-for type hints, so policies, the CLI and the server's parsing load without torch.
-"""
+"""The nouns every layer shares: a batch, a forward's output, a round's event per request.
+Imports only ``params`` (torch for type hints): loads without torch."""
 
 from __future__ import annotations
 
@@ -16,23 +14,17 @@ if TYPE_CHECKING:
     import torch
 
 FinishReason = Literal["stop", "length", "abort", "error"]
-# Why a request ended in "error": "invalid", it can never run (a prompt longer than the
-# context, ...), the client's to fix; "engine", the engine failed it (a batch that failed
-# with it alone, a shutdown), the server's; "unavailable", the engine went away (its process
-# died): another server may take the request.
+# "error" whose fault: the client's (invalid), the engine's, or the engine is gone.
 ErrorKind = Literal["invalid", "engine", "unavailable"]
 
 
 @define
 class Batch:
-    """One forward: request ``i`` owns table row ``rows[i]`` and computes positions
-    ``[starts[i], ends[i])``; positions before ``starts[i]`` already have KV in the cache.
+    """One forward: request ``i`` owns row ``rows[i]`` and computes positions
+    ``[starts[i], ends[i])``, reading its input ids from the token pool.
 
-    Its input ids are read from the token pool, so the scheduler never needs the token values
-    of a batch still in flight. When ``sample[i]`` is true, the sampled token is written back to
-    the pool at position ``ends[i]`` (a chunk in the middle of a prompt samples nothing).
-    ``steps[i]`` counts the tokens request ``i`` sampled before (it seeds per-request sampling).
-    """
+    Invariants: KV exists before ``starts[i]``; with ``sample[i]`` the sampled token is
+    written at ``ends[i]``; ``steps[i]`` counts the tokens sampled before (per-request seeds)."""
 
     rows: list[int]
     starts: list[int]
@@ -76,11 +68,8 @@ class Batch:
 
 @frozen
 class ForwardOutput:
-    """Sampled token per request (CPU), and the logits they came from: float32, or the
-    model's dtype on the compiled CUDA path (``ModelRunner.logits_dtype``); after a CUDA
-    graph replay, a view of the graph's output that the next replay overwrites.
-    ``device_s``: seconds the device spent on the batch, from the moment its stream reached
-    it to its end (CUDA; 0 where the device is the host)."""
+    """Sampled token per request (CPU) and their logits (after a graph replay, a view the
+    next replay overwrites); ``device_s``: the batch's device seconds (CUDA, else 0)."""
 
     next_tokens: torch.Tensor
     logits: torch.Tensor

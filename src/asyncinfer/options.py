@@ -10,7 +10,7 @@ annotation, its help and choices from the field's metadata. A boolean option get
 and the engine's own defaults apply to the rest (the help shows them).
 
 Before a command loads anything, :func:`preflight` builds the :class:`EngineConfig` the
-flags describe (each option's own check, and the policy) and :func:`check_environment`
+flags describe (each option's own check, and the policy's name) and :func:`check_environment`
 refuses what this machine cannot run (a CUDA device without a CUDA build of torch or a
 visible GPU, more GPUs than there are, a backend that cannot run here, a tensor-parallel
 split the model's heads do not divide); :func:`in_flag_terms` names options in a message as
@@ -194,17 +194,31 @@ def in_flag_terms(message: str) -> str:
 def preflight(args: argparse.Namespace,
               defaults: Mapping[str, Any] | None = None) -> EngineConfig:
     """The engine config the flags in ``args`` describe (over a command's own
-    ``defaults``), every option checked, and its policy found and built once with its
-    options: what is wrong with the flags themselves is refused here, before anything
-    loads, without importing torch."""
-    from asyncinfer.policies.registry import load_policy
-
+    ``defaults``), every option checked before anything loads, without importing torch."""
     config = EngineConfig(**{**(defaults or {}), **engine_options(args)})
-    try:
-        load_policy(config.policy, config.policy_options)
-    except ConfigError as exc:
-        raise ConfigError(f"{flag('policy')} {config.policy}: {exc}") from None
+    _check_policy(config)
     return config
+
+
+def _check_policy(config: EngineConfig) -> None:
+    """The policy's name and option names, checked without building it: the process that
+    runs it builds it, once, and judges the values."""
+    from asyncinfer.policies.registry import available_policies
+
+    name, given = config.policy, sorted(config.policy_options)
+    found = available_policies()
+    if name not in found:
+        raise ConfigError(f"{flag('policy')} {name}: unknown policy {name!r}; installed "
+                          f"policies: {', '.join(found) or '(none)'}")
+    try:
+        known = getattr(found[name].load(), "options", None)
+    except Exception as exc:
+        raise ConfigError(f"{flag('policy')} {name}: failed to load: "
+                          f"{type(exc).__name__}: {exc}") from None
+    unknown = [key for key in given if isinstance(known, Mapping) and key not in known]
+    if unknown:
+        raise ConfigError(f"{flag('policy')} {name}: policy {name!r} has no option "
+                          f"{unknown[0]!r}; its options: {', '.join(known or ()) or '(none)'}")
 
 
 def check_environment(config: EngineConfig, replicas: int = 1) -> None:

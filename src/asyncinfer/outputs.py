@@ -1,26 +1,18 @@
-"""What a request gives back, and the channels that carry it from the engine to its reader.
-
-``RequestOutput``, ``StreamDelta``, ``RequestMetrics`` and ``EngineStats`` are the public
-results (re-exported by ``asyncinfer.api``). A request's events reach its reader through a
-channel with ``put_nowait(event)``: a :class:`Collector` when only the end matters, a
-:class:`TokenChannel` when the reader streams. :func:`stream_deltas` yields a request's text
-deltas, with stop strings; :func:`complete` returns its output. The in-process engine and
-the front that talks to an engine core in another process share them, so both stream and
-finish requests the same way.
-
-Torch-free: the HTTP front imports this without the model's machinery.
-"""
+"""What a request gives back, the channels that carry its events, and :class:`Front`,
+the one request entry every front (in-process, offline, over ZeroMQ) shares. Torch-free."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from attrs import field, frozen
 
 from asyncinfer.core import ErrorKind, Event, FinishReason
+from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import SamplingParams
 from asyncinfer.tokenizer import Tokenizer
 
@@ -38,13 +30,8 @@ class RequestMetrics:
 
 @frozen
 class RequestOutput:
-    """The result of one request.
-
-    With ``finish_reason == "error"``, ``error`` says what happened and ``error_kind`` whose
-    fault it is: "invalid", a request that can never run (its prompt does not fit the
-    context, ...); "engine", a request the engine failed (its batch failed with it alone, or
-    the engine shut down); "unavailable", the engine went away (its process died).
-    """
+    """The result of one request; with finish_reason "error", ``error`` says what and
+    ``error_kind`` whose fault (see ``core.ErrorKind``)."""
 
     request_id: int
     prompt: str | None
@@ -60,10 +47,7 @@ class RequestOutput:
 
 @frozen
 class StreamDelta:
-    """What one request produced since the last delta; the last one carries the output.
-
-    A reader that falls behind gets everything produced meanwhile in one delta (several
-    tokens), never a backlog of one delta per token."""
+    """What one request produced since the last delta; the last one carries the output."""
 
     text: str
     token_ids: list[int] = field(factory=list)
@@ -73,14 +57,7 @@ class StreamDelta:
 
 @frozen
 class EngineStats:
-    """A snapshot for metrics and tests.
-
-    The prefix-cache counts run from the start: one query per admitted request, a hit when
-    it found at least one token cached, and the prompt tokens queried and found (all 0
-    without a prefix cache). So do the engine loop's rounds and the seconds they spent on
-    the host (scheduling, launching, processing, delivering) and awaiting the device, and
-    the seconds the device was busy with batches (CUDA only; 0 elsewhere).
-    """
+    """The engine's counters, all since its start (device seconds: CUDA only)."""
 
     waiting: int
     running: int
@@ -105,9 +82,7 @@ class Channel(Protocol):
 
 
 class Collector:
-    """A channel read once, at the end: it gathers a request's tokens as they come and wakes
-    its reader only when the request finishes (per-token wake-ups of hundreds of readers are
-    what limits a large batch otherwise)."""
+    """A channel read once: it gathers the tokens and wakes its reader only at the end."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -123,9 +98,7 @@ class Collector:
 
 
 class TokenChannel:
-    """A channel read in batches: :meth:`take` returns every token that arrived since the
-    last read (and the last event, once it came), waking the reader at most once per batch
-    of events however many tokens it carries."""
+    """A channel read in batches: :meth:`take` returns the tokens since the last read."""
 
     def __init__(self) -> None:
         self._tokens: list[int] = []
@@ -146,8 +119,7 @@ class TokenChannel:
             waiter.set_result(None)
 
     async def take(self) -> tuple[list[int], Event | None]:
-        """The tokens since the last call (waiting for at least one, or the end) and the
-        last event if the request has finished."""
+        """The tokens since the last call (awaiting one, or the end), and the last event."""
         while not self._tokens and self.last is None:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -158,85 +130,128 @@ class TokenChannel:
         return tokens, self.last
 
 
-async def stream_deltas(uid: int, prompt: Prompt, ids: list[int], params: SamplingParams,
-                        tokenizer: Tokenizer | None, submit: Callable[[TokenChannel], None],
-                        abort: Callable[[], None]) -> AsyncIterator[StreamDelta]:
-    """The text deltas of request ``uid``; the last carries its output.
+@frozen
+class _Request:
+    uid: int
+    prompt: Prompt
+    ids: list[int]
+    params: SamplingParams
 
-    The request is handed to the engine (``submit(channel)``) when the first delta is
-    awaited, not before, so an iterator that is never read holds nothing. A stop string
-    that matches calls ``abort`` (the engine may stop it), and so does a reader that stops
-    listening before the end."""
-    arrival = time.perf_counter()
-    channel = TokenChannel()
-    submit(channel)
-    detok = tokenizer.detokenizer(params, ids) if tokenizer is not None else None
-    tokens: list[int] = []
-    done = False
-    try:
-        while not done:
-            new, last = await channel.take()
-            reason = last.finish_reason if last is not None else None
-            text = ""
-            if new:
-                tokens += new
+    def output(self, text: str, tokens: list[int], last: Event | None, reason: FinishReason,
+               arrival: float, first_token: float | None) -> RequestOutput:
+        error, kind, cached = ((last.error, last.error_kind, last.prefix_len)
+                               if last is not None else (None, None, 0))
+        return RequestOutput(
+            self.uid, self.prompt if isinstance(self.prompt, str) else None, self.ids, text,
+            tokens, reason, error, cached,
+            RequestMetrics(arrival, first_token, time.perf_counter()), kind)
+
+
+class Front(ABC):
+    """Where requests enter: ``generate`` and ``stream``, written once over a subclass's
+    ``new_uid``, ``submit`` and ``abort``. Cancelling a reader aborts its request.
+
+    Invariant: ``new_uid`` never returns a uid open in the engine behind this front."""
+
+    tokenizer: Tokenizer | None
+
+    @abstractmethod
+    def new_uid(self) -> int: ...
+
+    @abstractmethod
+    def submit(self, uid: int, prompt_ids: list[int], params: SamplingParams,
+               channel: Channel) -> None:
+        """Queue a request; its events go to ``channel``, the last one finished."""
+
+    @abstractmethod
+    def abort(self, uid: int) -> None:
+        """Stop a submitted request; its channel gets no more events."""
+
+    def check_open(self) -> None:
+        """Raise if this front takes no requests now (default: errors arrive as events)."""
+        return
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (text needs the tokenizer)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise InvalidRequestError("text prompts need a tokenizer; this front has none")
+        return self.tokenizer.encode(prompt)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None
+                       ) -> RequestOutput:
+        """Run one request to the end (woken once, unless stop strings need the stream)."""
+        request = self._open(prompt, params)
+        if request.params.stop:
+            output = None
+            async for delta in self._deltas(request):
+                output = delta.output
+            assert output is not None
+            return output
+        arrival = time.perf_counter()
+        collector = Collector()
+        self.submit(request.uid, request.ids, request.params, collector)
+        try:
+            last = await collector.done
+        except asyncio.CancelledError:
+            self.abort(request.uid)
+            raise
+        assert last.finish_reason is not None
+        text = ""
+        if self.tokenizer is not None:
+            detok = self.tokenizer.detokenizer(request.params, request.ids)
+            detok.push(collector.tokens)
+            detok.finish()
+            text = detok.text
+        return request.output(text, collector.tokens, last, last.finish_reason, arrival,
+                              collector.first_token_time)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None
+               ) -> AsyncIterator[StreamDelta]:
+        """Text deltas of one request as they come; the last carries the output. A reader
+        that falls behind gets what came meanwhile in one delta."""
+        return self._deltas(self._open(prompt, params))
+
+    def _open(self, prompt: Prompt, params: SamplingParams | None) -> _Request:
+        self.check_open()
+        params = params or SamplingParams()
+        return _Request(self.new_uid(), prompt, self.encode(prompt), params)
+
+    async def _deltas(self, request: _Request) -> AsyncIterator[StreamDelta]:
+        """Submitted at the first await; a stop string or an early exit aborts it."""
+        arrival = time.perf_counter()
+        channel = TokenChannel()
+        self.submit(request.uid, request.ids, request.params, channel)
+        tokenizer = self.tokenizer
+        detok = (tokenizer.detokenizer(request.params, request.ids)
+                 if tokenizer is not None else None)
+        tokens: list[int] = []
+        done = False
+        try:
+            while not done:
+                new, last = await channel.take()
+                reason = last.finish_reason if last is not None else None
+                text = ""
+                if new:
+                    tokens += new
+                    if detok is not None:
+                        text = detok.push(new)
+                        if detok.stopped and reason is None:  # a stop string matched
+                            self.abort(request.uid)
+                            reason = "stop"
+                if reason is None:
+                    if text or new:
+                        yield StreamDelta(text, new)
+                    continue
+                done = True
+                full = ""
                 if detok is not None:
-                    text = detok.push(new)
-                    if detok.stopped and reason is None:  # a stop string matched
-                        abort()
-                        reason = "stop"
-            if reason is None:
-                if text or new:
-                    yield StreamDelta(text, new)
-                continue
-            done = True
-            full = ""
-            if detok is not None:
-                text += detok.finish()
-                full = detok.text
-                reason = "stop" if detok.stopped else reason
-            error, kind, cached = ((last.error, last.error_kind, last.prefix_len)
-                                   if last is not None else (None, None, 0))
-            output = RequestOutput(
-                uid, prompt if isinstance(prompt, str) else None, ids, full, tokens, reason,
-                error, cached,
-                RequestMetrics(arrival, channel.first_token_time, time.perf_counter()), kind)
-            yield StreamDelta(text, new, reason, output)
-    finally:
-        if not done:  # cancelled, or the consumer stopped listening
-            abort()
-
-
-async def complete(uid: int, prompt: Prompt, ids: list[int], params: SamplingParams,
-                   tokenizer: Tokenizer | None, submit: Callable[[Channel], None],
-                   abort: Callable[[], None]) -> RequestOutput:
-    """Run request ``uid`` to the end and return its output. Without stop strings to watch
-    nothing needs the tokens before the end, so the reader is woken once (a Collector)
-    instead of once per token; with them, the stream is read. Cancelling the caller calls
-    ``abort``."""
-    if params.stop:
-        output = None
-        async for delta in stream_deltas(uid, prompt, ids, params, tokenizer, submit, abort):
-            output = delta.output
-        assert output is not None
-        return output
-    arrival = time.perf_counter()
-    collector = Collector()
-    submit(collector)
-    try:
-        last = await collector.done
-    except asyncio.CancelledError:
-        abort()
-        raise
-    assert last.finish_reason is not None
-    text = ""
-    if tokenizer is not None:
-        detok = tokenizer.detokenizer(params, ids)
-        detok.push(collector.tokens)
-        detok.finish()
-        text = detok.text
-    return RequestOutput(
-        uid, prompt if isinstance(prompt, str) else None, ids, text, collector.tokens,
-        last.finish_reason, last.error, last.prefix_len,
-        RequestMetrics(arrival, collector.first_token_time, time.perf_counter()),
-        last.error_kind)
+                    text += detok.finish()
+                    full = detok.text
+                    reason = "stop" if detok.stopped else reason
+                yield StreamDelta(text, new, reason, request.output(
+                    full, tokens, last, reason, arrival, channel.first_token_time))
+        finally:
+            if not done:  # cancelled, or the consumer stopped listening
+                self.abort(request.uid)

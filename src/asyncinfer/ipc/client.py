@@ -1,16 +1,6 @@
-"""The front's side: :class:`EngineClient`, the engine core in another process, as the
-``Engine`` the HTTP app serves.
-
-Tokenizing happens before a request reaches the client; detokenizing, stop strings and
-output assembly happen here, in the front's process (:mod:`asyncinfer.outputs`, the same
-code the in-process engine runs). One task reads the core's messages: each carries every
-new token of this front's requests for one round, appended to their channels, so a stream
-that falls behind finds its pending tokens gathered into one delta. Sending never waits.
-
-If the core's process exits, every open request ends at once with ``error_kind``
-"unavailable" (the server answers 503), new ones too, and the callbacks given to
-:meth:`EngineClient.on_core_exit` run (the server stops and exits non-zero).
-"""
+"""The front's side: :class:`EngineClient`, an engine core in another process as the
+``Engine`` the HTTP app serves. Detokenizing and stop strings run here, in the front.
+If the core's process exits, every open request ends with ``error_kind`` "unavailable"."""
 
 from __future__ import annotations
 
@@ -18,7 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import attrs
 import zmq
@@ -26,15 +16,7 @@ import zmq.asyncio
 
 from asyncinfer.core import Event
 from asyncinfer.ipc import messages as msg
-from asyncinfer.outputs import (
-    Channel,
-    EngineStats,
-    Prompt,
-    RequestOutput,
-    StreamDelta,
-    complete,
-    stream_deltas,
-)
+from asyncinfer.outputs import Channel, EngineStats, Front
 from asyncinfer.params import SamplingParams
 from asyncinfer.processes import watch_exit
 from asyncinfer.tokenizer import Tokenizer
@@ -42,7 +24,7 @@ from asyncinfer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-class EngineClient:
+class EngineClient(Front):
     """Front ``front`` of ``fronts``, talking to the core described by ``info``.
 
     Request ids are ``front + fronts * n``: unique across fronts without asking anyone.
@@ -72,7 +54,6 @@ class EngineClient:
     async def start(self) -> None:
         """Connect to the core and start reading its messages."""
         self._ctx = zmq.asyncio.Context()
-        # Sends go through a plain socket that never blocks (no high-water mark).
         self._sync_ctx = zmq.Context()
         self._push = self._sync_ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
@@ -110,43 +91,19 @@ class EngineClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # ---- the Engine the app serves ---------------------------------------------------------
-
     @property
     def alive(self) -> bool:
         """True while the core's process runs and this client is started."""
         return self._task is not None and self._gone is None
 
     def stats(self) -> EngineStats:
-        """The core's counters as of its last message; Adds it has not taken yet count as
-        waiting."""
+        """The core's last counters; Adds it has not taken yet count as waiting."""
         in_transit = self._sent - self._received
         return self._stats if not in_transit else attrs.evolve(
             self._stats, waiting=self._stats.waiting + in_transit)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None
-                       ) -> RequestOutput:
-        """Run one request to the end (``prompt``: token ids, or text with a tokenizer)."""
-        params = params or SamplingParams()
-        ids = self._encode(prompt)
-        uid = next(self._uids)
-        return await complete(uid, prompt, ids, params, self.tokenizer,
-                              lambda channel: self._submit(uid, ids, params, channel),
-                              lambda: self._abort(uid))
-
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None
-               ) -> AsyncIterator[StreamDelta]:
-        """Text deltas of one request; the last carries the output."""
-        params = params or SamplingParams()
-        ids = self._encode(prompt)
-        uid = next(self._uids)
-        return stream_deltas(uid, prompt, ids, params, self.tokenizer,
-                             lambda channel: self._submit(uid, ids, params, channel),
-                             lambda: self._abort(uid))
-
     def abort_all(self) -> None:
-        """End every open request of this front now (finish_reason "abort") and have the
-        core free what they hold."""
+        """End this front's open requests now with "abort"; the core frees them."""
         self._end_all("abort", None, None)
         self._send(msg.AbortAll(self.front))
 
@@ -158,19 +115,12 @@ class EngineClient:
         """Call ``callback`` (on the loop) once the core's process has exited."""
         self._exit_callbacks.append(callback)
 
-    # ---- internals -------------------------------------------------------------------------
+    def new_uid(self) -> int:
+        return next(self._uids)
 
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.tokenizer is None:
-            from asyncinfer.errors import InvalidRequestError
-
-            raise InvalidRequestError("text prompts need a tokenizer")
-        return self.tokenizer.encode(prompt)
-
-    def _submit(self, uid: int, ids: list[int], params: SamplingParams,
-                channel: Channel) -> None:
+    def submit(self, uid: int, prompt_ids: list[int], params: SamplingParams,
+               channel: Channel) -> None:
+        """Send a request to the core (or, with no core to answer, end it "unavailable")."""
         if self._gone is not None or self._task is None:
             channel.put_nowait(Event(uid, None, "error",
                                      self._gone or "the engine client is not started",
@@ -178,9 +128,10 @@ class EngineClient:
             return
         self._channels[uid] = channel
         self._sent += 1
-        self._send(msg.Add(self.front, uid, ids, msg.params_fields(params)))
+        self._send(msg.Add(self.front, uid, prompt_ids, msg.params_fields(params)))
 
-    def _abort(self, uid: int) -> None:
+    def abort(self, uid: int) -> None:
+        """Stop a request; the core frees what it holds."""
         if self._channels.pop(uid, None) is not None:
             self._send(msg.Abort([uid]))
 

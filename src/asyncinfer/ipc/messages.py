@@ -1,15 +1,11 @@
-"""The messages between the fronts and the engine core, and where their sockets live.
-
-msgpack through msgspec: structs encoded as arrays, decoded into their types in one call.
-In (front to core, one socket every front pushes to): :class:`Add`, :class:`Abort`,
-:class:`AbortAll`, :class:`Shutdown`. Out (core to one front, a socket per front): one
-:class:`Out` per engine round that produced something for that front's requests, carrying
-every such request's new token and every request that ended, and the engine's counters.
-"""
+"""The messages between the fronts and the engine core (msgpack through msgspec), and
+where their sockets live. In: Add, Abort, AbortAll, Shutdown, on one socket every front
+pushes to. Out: one :class:`Out` per round per front with news, on a socket per front."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import attrs
 import msgspec
@@ -20,12 +16,12 @@ from asyncinfer.params import SamplingParams
 
 
 class Add(msgspec.Struct, array_like=True, tag=0):
-    """A new request from front ``front``; ``params`` is a SamplingParams' fields in order."""
+    """A new request from front ``front``; ``params`` are its SamplingParams by field name."""
 
     front: int
     uid: int
     prompt_ids: list[int]
-    params: tuple
+    params: dict[str, Any]
 
 
 class Abort(msgspec.Struct, array_like=True, tag=1):
@@ -63,12 +59,8 @@ class End(msgspec.Struct, array_like=True):
 
 
 class Out(msgspec.Struct, array_like=True):
-    """What one round produced for one front's requests.
-
-    ``tokens[i]`` is the new token of request ``uids[i]``; ``ends`` the requests that
-    finished; ``stats`` the engine's counters after the round;
-    ``received`` how many Adds of this front the core has taken so far (the front counts the
-    rest as waiting)."""
+    """One round's news for one front: ``tokens[i]`` is request ``uids[i]``'s new token;
+    ``received`` counts the Adds of this front the core has taken (the rest are waiting)."""
 
     uids: list[int]
     tokens: list[int]
@@ -77,20 +69,19 @@ class Out(msgspec.Struct, array_like=True):
     received: int
 
 
-def params_fields(params: SamplingParams) -> tuple:
-    """SamplingParams as the tuple an Add carries."""
-    return attrs.astuple(params, recurse=False)
+def params_fields(params: SamplingParams) -> dict[str, Any]:
+    """SamplingParams as an Add carries them: every field, by name."""
+    return attrs.asdict(params, recurse=False)
 
 
-def params_from(fields: tuple | list) -> SamplingParams:
-    """The SamplingParams an Add carried (validated again)."""
-    return SamplingParams(*fields)
+def params_from(fields: dict[str, Any]) -> SamplingParams:
+    """The SamplingParams an Add carried, validated again (an unknown field: TypeError)."""
+    return SamplingParams(**fields)
 
 
 @attrs.frozen
 class Addresses:
-    """The core's sockets: every front pushes to ``inbound``; front ``i`` pulls
-    ``outbound(i)``. Unix domain sockets in a directory the server owns."""
+    """The core's Unix sockets: fronts push to ``inbound``; front ``i`` pulls ``outbound(i)``."""
 
     directory: str
 
@@ -104,9 +95,7 @@ class Addresses:
 
 @attrs.frozen
 class CoreInfo:
-    """What the core tells the server once its model is loaded (the ready banner and the
-    routes that describe the server show it): ``device`` is rank 0's, ``dtype`` torch's
-    name of the engine's, ``attention`` the backend that runs it."""
+    """What the core tells the server once its model is loaded (``device``: rank 0's)."""
 
     pid: int
     model_name: str

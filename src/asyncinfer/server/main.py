@@ -1,7 +1,7 @@
 """``asyncinfer serve``: the engine core in one process, the HTTP front in ``--api-workers``.
 
 The server process binds the listening socket first (a port in use fails at once), starts
-the engine core (:mod:`asyncinfer.ipc.core`, which loads the model) and waits until it is
+the engine core (:mod:`asyncinfer.ipc.core_process`, which loads the model) and waits until it is
 ready, then starts fronts 1 .. N-1 as processes of their own and runs front 0 itself. Every
 front accepts on the same socket, tokenizes, detokenizes and streams, and talks to the core
 through an :class:`~asyncinfer.ipc.client.EngineClient`.
@@ -183,7 +183,7 @@ def _start_core(spawn: Any, options: dict[str, Any], addresses: Addresses, worke
                 verbose: bool, stopping: list[int]) -> tuple[SpawnProcess, CoreInfo]:
     """Start the engine core and wait for its CoreInfo (or the error it failed with); raise
     :class:`_Stopped`, the core stopped, once ``stopping`` holds a signal."""
-    from asyncinfer.ipc.core import run_engine_core
+    from asyncinfer.ipc.core_process import run_engine_core
 
     receive, send = spawn.Pipe(duplex=False)
     core = spawn.Process(target=run_engine_core, name="asyncinfer-core",

@@ -1,16 +1,6 @@
-"""The engine core: an ``AsyncEngine`` in a process of its own, fed over ZeroMQ.
-
-The core's event loop does nothing but the engine's work: it takes requests and aborts from
-the fronts' inbound socket, runs the coordinator (which awaits the device as it does
-in-process), and sends each front one :class:`~.messages.Out` per round, gathered from the
-events the round delivered (a flush scheduled with the first event of a round runs once the
-round has delivered them all, while the next batch computes). Between rounds that deliver
-nothing, changed counters go out every 0.1 s, so a front's admission sees the queue drain.
-
-The process ignores SIGINT (the server that started it coordinates a Ctrl-C: fronts drain
-first, then tell the core to stop); SIGTERM, a :class:`~.messages.Shutdown`, or the exit of
-the server process stops it, ending what is still open.
-"""
+"""The engine core process: an ``AsyncEngine`` fed over ZeroMQ, one :class:`~.messages.Out`
+per round per front. It ignores SIGINT (the server drains its fronts first); SIGTERM, a
+Shutdown or the server's exit stops it. See docs/architecture.md, "The engine core"."""
 
 from __future__ import annotations
 
@@ -76,7 +66,6 @@ class EngineCore:
         self._inbound = self._ctx.socket(zmq.PULL)
         self._inbound.setsockopt(zmq.RCVHWM, 0)
         self._inbound.bind(addresses.inbound)
-        # Sends go through plain sockets that never block (no high-water mark).
         self._sync_ctx = zmq.Context()
         self._outbound = []
         for front in range(fronts):
@@ -107,8 +96,7 @@ class EngineCore:
         try:
             await asyncio.wait([stopped, ended], return_when=asyncio.FIRST_COMPLETED)
             if ended.done() and not self._stop.is_set():
-                # Its loop died (a tensor-parallel rank gone): the requests ended with the
-                # reason, which goes out below; a core that cannot serve exits.
+                # Its loop died (a rank gone): the ends go out below; the core exits.
                 logger.error("the engine stopped; the engine core exits")
                 self.failed = True
         finally:
