@@ -1,0 +1,127 @@
+"""Paired A/B of the CPU offline workload between two checkouts of asyncinfer.
+
+Each run is a fresh process importing one checkout's ``src`` and timing one ``LLM.generate``
+over the workload; the pairs alternate their order (A B, B A, ...). The record keeps every
+run, both commits, the machine, and a digest of each run's output tokens, so a change that
+should leave results alone is shown to: every digest must be the same.
+
+    python -m benchmarks.ab --base ../base --new . --pairs 3 --json ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# What one run executes, in the checkout under test: only the public API, which both sides
+# share. The workload is drawn as benchmarks.offline's cpu workload (random.Random(0)).
+RUN = r"""
+import hashlib, json, random, sys, time
+from asyncinfer.api import LLM
+from asyncinfer.params import SamplingParams
+rng = random.Random(0)
+prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(32, 512))] for _ in range(64)]
+max_tokens = [rng.randint(32, 256) for _ in range(64)]
+llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype=sys.argv[2], max_running_requests=64,
+          max_seq_len=2048)
+try:
+    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate([p[:64] for p in prompts[:4]], warm, use_tqdm=False)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+finally:
+    llm.close()
+ids = [list(o.token_ids) for o in outputs]
+tokens = sum(map(len, ids))
+print(json.dumps({"tokens": tokens, "seconds": round(seconds, 3),
+                  "tokens_per_s": round(tokens / seconds, 1),
+                  "digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}))
+"""
+
+
+def _commit(checkout: Path) -> str:
+    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def _machine() -> dict[str, Any]:
+    name, flags = "unknown", set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown":
+                name = value.strip()
+            if key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+    return {"cpu": name, "flags": [f for f in wanted if f in flags],
+            "cores": len(os.sched_getaffinity(0))}
+
+
+def _run(checkout: Path, model: str, dtype: str) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(checkout / "src"))
+    done = subprocess.run([sys.executable, "-c", RUN, model, dtype], capture_output=True,
+                          text=True, env=env, cwd=checkout)
+    if done.returncode != 0:
+        raise RuntimeError(f"run in {checkout} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", type=Path, required=True, help="checkout A (the baseline)")
+    parser.add_argument("--new", type=Path, required=True, help="checkout B (the change)")
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    base, new = args.base.resolve(), args.new.resolve()
+    model = args.model
+    if model is None:
+        from asyncinfer.models.source import embedded_model_dir
+
+        model = str(embedded_model_dir())
+    runs = []
+    for pair in range(args.pairs):
+        order = [("base", base), ("new", new)]
+        for side, checkout in order if pair % 2 == 0 else order[::-1]:
+            run = {"pair": pair, "side": side, **_run(checkout, model, args.dtype)}
+            print(json.dumps(run), flush=True)
+            runs.append(run)
+
+    def median(side: str) -> float:
+        values = sorted(r["tokens_per_s"] for r in runs if r["side"] == side)
+        return values[len(values) // 2]
+
+    ratios = sorted(next(r["tokens_per_s"] for r in runs if r["pair"] == p and r["side"] == "new")
+                    / next(r["tokens_per_s"] for r in runs if r["pair"] == p
+                           and r["side"] == "base") for p in range(args.pairs))
+    record = {
+        "benchmark": "offline-cpu A/B",
+        "command": " ".join(["python -m benchmarks.ab", *(argv or sys.argv[1:])]),
+        "base_commit": _commit(base), "new_commit": _commit(new),
+        "machine": _machine(), "model": Path(model).name, "dtype": args.dtype,
+        "same_tokens": len({r["digest"] for r in runs}) == 1,
+        "median_tokens_per_s": {"base": median("base"), "new": median("new")},
+        "median_pair_ratio_new_over_base": round(ratios[len(ratios) // 2], 3),
+        "runs": runs,
+    }
+    print(json.dumps({k: v for k, v in record.items() if k != "runs"}, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
