@@ -45,7 +45,8 @@ def _check_serve(args: argparse.Namespace) -> None:
     are checked here, in the process that stays an HTTP front, without torch; what needs
     torch (the device, the model's split) the engine core checks first thing, or, for
     ``--dp`` replicas, the launcher, which needs to know about every GPU they take."""
-    from asyncinfer.options import check_environment, preflight
+    from asyncinfer.machine import check_environment
+    from asyncinfer.options import preflight
 
     check_serve_flags(args)
     config = preflight(args)

@@ -36,7 +36,8 @@ from aiohttp import web
 
 from asyncinfer.errors import ConfigError, EngineError
 from asyncinfer.ipc.messages import Addresses, CoreInfo
-from asyncinfer.options import configure_logging, engine_options
+from asyncinfer.logs import configure_logging
+from asyncinfer.options import engine_options
 from asyncinfer.processes import describe_exit, new_event_loop, watch_exit
 from asyncinfer.server.cli import check_serve_flags
 

@@ -121,7 +121,7 @@ def _replica_args(args: argparse.Namespace, index: int, tp: int,
 
 def _replica_main(args: argparse.Namespace) -> None:
     """A replica's process: ``asyncinfer serve`` for one replica, ended with its parent."""
-    from asyncinfer.options import configure_logging
+    from asyncinfer.logs import configure_logging
     from asyncinfer.server.main import serve
 
     die_with_parent(signal.SIGTERM)
