@@ -17,8 +17,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from asyncinfer.api import RequestOutput
 from asyncinfer.server import create_app
-from asyncinfer.server.app import METRICS, ServerOptions, drain
+from asyncinfer.server.app import METRICS, drain
 from asyncinfer.server.main import app_runner
+from asyncinfer.server.options import ServerOptions
 from tests.test_server import (
     CHAT,
     GEN,

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 from attrs import define, frozen
 
+import asyncinfer.server.openai as openai
+import asyncinfer.server.protocol as protocol
 from asyncinfer.errors import ConfigError, EngineError
-from asyncinfer.server import openai, protocol
 from asyncinfer.server.errors import (
     APIError,
     bad_request,
@@ -38,6 +39,7 @@ from asyncinfer.server.errors import (
     http_status,
 )
 from asyncinfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from asyncinfer.server.options import ServerOptions
 
 if TYPE_CHECKING:
     from asyncinfer.api import RequestOutput
@@ -47,23 +49,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 2**20
-
-
-@frozen
-class ServerOptions:
-    """Limits and timeouts of one server (``asyncinfer serve`` flags of the same names).
-
-    ``max_tokens_limit`` None: the context length. ``special_tokens_in_text``: let user text
-    (prompts, chat content) spell control tokens such as ``<|im_end|>``; off, such text is
-    tokenized as plain text.
-    """
-
-    max_waiting_requests: int = 1024
-    default_max_tokens: int = 1024
-    max_tokens_limit: int | None = None
-    body_timeout: float = 30.0
-    special_tokens_in_text: bool = False
-    retry_after: int = 1
 
 
 @define

@@ -39,16 +39,14 @@ from asyncinfer.ipc.messages import Addresses, CoreInfo
 from asyncinfer.logs import configure_logging
 from asyncinfer.options import engine_options
 from asyncinfer.processes import describe_exit, new_event_loop, watch_exit
-from asyncinfer.server.cli import check_serve_flags
+from asyncinfer.server.options import ServerOptions
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
 
-    from asyncinfer.server.app import ServerOptions
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["app_runner", "new_event_loop", "serve", "server_options"]
+__all__ = ["app_runner", "new_event_loop", "serve"]
 
 CORE_START_TIMEOUT = 1800.0   # loading and capturing a large model takes a while
 CORE_STOP_TIMEOUT = 30.0
@@ -74,17 +72,6 @@ class StopSignals:
 
 class _Stopped(Exception):
     """A stop signal came while the engine core was starting."""
-
-
-def server_options(args: argparse.Namespace) -> ServerOptions:
-    """The server's limits and timeouts from the command line."""
-    from asyncinfer.server.app import ServerOptions
-
-    return ServerOptions(max_waiting_requests=args.max_waiting_requests,
-                         default_max_tokens=args.default_max_tokens,
-                         max_tokens_limit=args.max_tokens_limit,
-                         body_timeout=args.body_timeout,
-                         special_tokens_in_text=args.special_tokens_in_text)
 
 
 class _QuietMalformed(logging.Filter):
@@ -117,17 +104,13 @@ def app_runner(app: web.Application, header_timeout: float) -> web.AppRunner:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Serve the model on ``args.host:args.port`` until SIGTERM or SIGINT (then 0), or until
-    a process of the server dies (then 1)."""
-    check_serve_flags(args)
-    if args.dp > 1:
-        from asyncinfer.server.replicas import serve_replicas
-
-        return serve_replicas(args)
+    """Serve one replica on ``args.host:args.port`` until SIGTERM or SIGINT (then 0), or
+    until a process of the server dies (then 1); ``--dp`` is :mod:`.cli`'s to dispatch."""
+    options = ServerOptions.from_args(args)  # a wrong flag fails before the core loads
     signals = StopSignals()
-    workers = args.api_workers
+    workers = options.api_workers
     verbose = bool(getattr(args, "verbose", False))
-    listener = listen(args.host, args.port)
+    listener = listen(options.host, options.port)
     directory = tempfile.mkdtemp(prefix="asyncinfer-")
     addresses = Addresses(directory)
     spawn = multiprocessing.get_context("spawn")
@@ -290,8 +273,8 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
                                            info.page_size, device=info.device or None,
                                            dtype=info.dtype or None)
         app = create_app(client, api_key=args.api_key,
-                         served_model_name=args.served_model_name, options=server_options(args),
-                         worker=worker)
+                         served_model_name=args.served_model_name,
+                         options=ServerOptions.from_args(args), worker=worker)
         runner = app_runner(app, args.header_timeout)
         await runner.setup()
         await web.SockSite(runner, listener).start()

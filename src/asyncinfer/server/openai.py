@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from attrs import evolve, frozen
 
+import asyncinfer.server.protocol as protocol
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import SamplingParams
-from asyncinfer.server import protocol
 from asyncinfer.server.errors import APIError, bad_request
 
 if TYPE_CHECKING:
