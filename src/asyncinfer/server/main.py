@@ -238,7 +238,9 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
     """Serve HTTP on ``listener`` for the core until stopped (at once where ``signals``
     kept one from before the loop watched them); the exit code."""
     from asyncinfer.ipc.client import EngineClient
-    from asyncinfer.server.app import WorkerInfo, create_app, drain, unready
+    from asyncinfer.server.app import create_app
+    from asyncinfer.server.operations import drain, unready
+    from asyncinfer.server.router_api import WorkerInfo
     from asyncinfer.tokenizer import Tokenizer
 
     loop = asyncio.get_running_loop()

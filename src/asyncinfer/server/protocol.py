@@ -4,7 +4,7 @@ Every field is typed strictly (``"1"`` is not a number, ``true`` is not an integ
 number is range-checked, the ranges that depend on the served model (vocabulary, context)
 through the validation context (:class:`Limits`). A body that fails becomes a 400 naming the
 field at fault (``param``), before any tokenizing or engine work. The fields of OpenAI's API
-named in ``_UNSUPPORTED`` are not implemented and are refused unless they are unset or at their
+named in ``UNSUPPORTED`` are not implemented and are refused unless they are unset or at their
 default; a field the models do not name at all is ignored (``extra="ignore"``).
 """
 
@@ -187,7 +187,7 @@ class _OpenAISampling(_Sampling):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _OpenAISampling:
-        for name, unset in _UNSUPPORTED.items():
+        for name, unset in UNSUPPORTED.items():
             if getattr(self, name) not in unset:
                 allowed = " or ".join(json.dumps(v) for v in unset if v is not None)
                 raise APIError(400, f"{name} is not supported by this server: leave it unset "
@@ -211,7 +211,7 @@ class _OpenAISampling(_Sampling):
 # OpenAI's default. ``tool_choice``: with no tools (``tools`` is refused unless empty) OpenAI's
 # default is "none", and "auto" leaves the choice to the model among no tools, which is plain
 # generation too; "required", a named function or any other value asks for a tool call.
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False), "best_of": (None, 1), "logprobs": (None, False, 0),
     "top_logprobs": (None, 0), "logit_bias": (None, {}), "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0), "suffix": (None, ""), "tools": (None, []),
@@ -435,86 +435,6 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
 def _short(error: Mapping[str, Any]) -> str:
     text = repr(error.get("input"))
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-# ---- the OpenAPI document ----------------------------------------------------------------
-
-
-_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type", "param", "code"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]},
-                   "code": {"type": ["string", "null"]}}}}}
-
-
-def openapi_document(limits: Limits, model: str | None = None) -> dict[str, Any]:
-    """OpenAPI 3.1 for the routes, from the models above, the served limits and the served
-    model's name."""
-    schemas: dict[str, Any] = {"Error": _ERROR_SCHEMA}
-    routes: dict[str, type[BaseModel]] = {
-        "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-        "/generate": GenerateRequest}
-    paths: dict[str, Any] = {}
-    for path, request in routes.items():
-        schema = request.model_json_schema(ref_template="#/components/schemas/{model}")
-        for name, sub in schema.pop("$defs", {}).items():
-            schemas[name] = _served(sub, limits, model)
-        schemas[request.__name__] = _served(schema, limits, model)
-        paths[path] = {"post": {
-            "summary": (request.__doc__ or "").split("\n")[0],
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{request.__name__}"}}}},
-            "responses": {
-                "200": {"description": "the result, or a stream of chunks when stream is true"},
-                **{str(s): {"description": d, "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/Error"}}}}
-                   for s, d in _ERROR_STATUSES.items()}}}}
-    for path, summary in (("/v1/models", "the served model"), ("/health", "liveness"),
-                          ("/metrics", "Prometheus metrics")):
-        paths[path] = {"get": {"summary": summary, "responses": {
-            "200": {"description": summary}, "503": {"description": "draining or down"}}}}
-    return {"openapi": "3.1.0", "info": {"title": "asyncinfer", "version": "1"}, "paths": paths,
-            "components": {"schemas": schemas}}
-
-
-_ERROR_STATUSES = {400: "a request the client can fix", 401: "a missing or wrong API key",
-                   404: "an unknown model", 408: "the body was not sent in time",
-                   413: "the body is too large", 500: "the engine failed the request",
-                   503: "the server is full or shutting down"}
-
-
-def _served(schema: dict[str, Any], limits: Limits, model: str | None) -> dict[str, Any]:
-    """A model's schema with the served model's bounds filled in, so that what the schema
-    allows is what the server accepts (token ids below the vocabulary, the served name)."""
-    props = schema.get("properties", {})
-    for name, bound in (("top_k", limits.vocab_size), ("max_tokens", limits.max_tokens_limit),
-                        ("max_completion_tokens", limits.max_tokens_limit)):
-        if name in props:
-            for option in props[name].get("anyOf", [props[name]]):
-                if option.get("type") == "integer":
-                    option["maximum"] = bound
-    for name in ("prompt", "input_ids"):
-        if name in props:
-            _bound_prompt(props[name], limits)
-    for name, allowed in _UNSUPPORTED.items():
-        if name in props:
-            props[name] = {"enum": list(allowed), "description": "not supported: unset or "
-                                                                  "its default"}
-    if "model" in props and model is not None:
-        props["model"] = {"anyOf": [{"const": model}, {"type": "null"}]}
-    return schema
-
-
-def _bound_prompt(schema: dict[str, Any], limits: Limits) -> None:
-    if schema.get("type") == "string":
-        schema["maxLength"] = limits.max_prompt_chars
-    if schema.get("type") == "integer":
-        schema["maximum"] = limits.vocab_size - 1
-    if schema.get("type") == "array" and schema.get("items", {}).get("type") == "integer":
-        schema["maxItems"] = limits.context_len - 1
-    for sub in [*schema.get("anyOf", []), schema.get("items", {})]:
-        if isinstance(sub, dict) and sub:
-            _bound_prompt(sub, limits)
 
 
 def max_prompt_chars(context_len: int, max_token_chars: int) -> int:

@@ -1,8 +1,5 @@
-"""Validated request models in, engine requests out; responses and chunks in OpenAI's shapes.
-
-Bodies are validated by :mod:`asyncinfer.server.protocol`; here they become token ids (through
-a :class:`TextEncoder`, which tokenizes off the event loop) and :class:`SamplingParams`.
-"""
+"""Request translation: a body validated by :mod:`.protocol` becomes token ids and
+SamplingParams (a :class:`ParsedRequest`); results become OpenAI's responses and chunks."""
 
 from __future__ import annotations
 
@@ -30,8 +27,8 @@ class TextEncoder(Protocol):
 
 
 @frozen
-class GenerationRequest:
-    """A validated request: prompt token ids, sampling parameters and how to answer."""
+class ParsedRequest:
+    """A body validated and tokenized: prompt token ids, sampling parameters, how to answer."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -51,17 +48,17 @@ def check_model(body: Mapping[str, Any], served: str) -> None:
 
 
 async def completion(body: Mapping[str, Any], encoder: TextEncoder,
-                     limits: protocol.Limits) -> GenerationRequest:
+                     limits: protocol.Limits) -> ParsedRequest:
     """A ``/v1/completions`` body; ``max_tokens`` defaults to 16 as in OpenAI's API."""
     req = protocol.validate(protocol.CompletionRequest, body, limits)
     ids = await _prompt_ids(req.prompt, encoder, limits, "prompt")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     params = _params(req.sampling_options(), max_tokens, "max_tokens")
-    return GenerationRequest(ids, params, bool(req.stream), req.include_usage)
+    return ParsedRequest(ids, params, bool(req.stream), req.include_usage)
 
 
 async def chat(body: Mapping[str, Any], encoder: TextEncoder,
-               limits: protocol.Limits) -> GenerationRequest:
+               limits: protocol.Limits) -> ParsedRequest:
     """A ``/v1/chat/completions`` body; without a length, the server's default applies."""
     req = protocol.validate(protocol.ChatCompletionRequest, body, limits)
     ids = await encoder.chat(req.chat_messages())
@@ -70,11 +67,11 @@ async def chat(body: Mapping[str, Any], encoder: TextEncoder,
     max_tokens = getattr(req, param)
     params = _params(req.sampling_options(), limits.default_max_tokens if max_tokens is None
                      else max_tokens, param)
-    return GenerationRequest(ids, params, bool(req.stream), req.include_usage)
+    return ParsedRequest(ids, params, bool(req.stream), req.include_usage)
 
 
 async def generate(body: Mapping[str, Any], encoder: TextEncoder,
-                   limits: protocol.Limits) -> GenerationRequest:
+                   limits: protocol.Limits) -> ParsedRequest:
     """The native ``/generate`` body: ``prompt`` or ``input_ids``, ``sampling_params``."""
     req = protocol.validate(protocol.GenerateRequest, body, limits)
     param = "prompt" if req.prompt is not None else "input_ids"
@@ -82,7 +79,7 @@ async def generate(body: Mapping[str, Any], encoder: TextEncoder,
     options = req.sampling_params or protocol.NativeSampling()
     max_tokens = 16 if options.max_tokens is None else options.max_tokens
     params = _params(options.sampling_options(), max_tokens, "sampling_params.max_tokens")
-    return GenerationRequest(ids, params, bool(req.stream), include_usage=True)
+    return ParsedRequest(ids, params, bool(req.stream), include_usage=True)
 
 
 async def _prompt_ids(prompt: str | list[int], encoder: TextEncoder, limits: protocol.Limits,
@@ -102,7 +99,7 @@ def check_length(ids: list[int], context_len: int, param: str) -> None:
                           f"fit)", param, "context_length_exceeded")
 
 
-def with_tenant(gen: GenerationRequest, tenant: str, param: str) -> GenerationRequest:
+def with_tenant(gen: ParsedRequest, tenant: str, param: str) -> ParsedRequest:
     """``gen`` for ``tenant`` (from ``param``, a header), checked as the body's is."""
     try:
         return evolve(gen, params=gen.params.replace(tenant=tenant))
