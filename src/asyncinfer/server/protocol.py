@@ -1,12 +1,5 @@
-"""The request bodies of the HTTP API as typed models, and the OpenAPI document built from them.
-
-Every field is typed strictly (``"1"`` is not a number, ``true`` is not an integer) and every
-number is range-checked, the ranges that depend on the served model (vocabulary, context)
-through the validation context (:class:`Limits`). A body that fails becomes a 400 naming the
-field at fault (``param``), before any tokenizing or engine work. The fields of OpenAI's API
-named in ``UNSUPPORTED`` are not implemented and are refused unless they are unset or at their
-default; a field the models do not name at all is ignored (``extra="ignore"``).
-"""
+"""The request bodies of the HTTP API as strict typed models; a body that fails is a 400
+naming the field, before any tokenizing. See docs/architecture.md, "Request models"."""
 
 from __future__ import annotations
 
@@ -27,10 +20,9 @@ from pydantic import (
     model_validator,
 )
 
-from asyncinfer.params import MAX_TENANT_CHARS, MIN_TEMPERATURE
+from asyncinfer.params import BOUNDS, MAX_TENANT_CHARS, MIN_TEMPERATURE
 from asyncinfer.server.errors import APIError, bad_request
 
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -38,12 +30,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 @frozen
 class Limits:
-    """What the served model and the server's options allow; the validation context.
-
-    ``max_prompt_chars`` bounds the characters of a text prompt: past it the prompt cannot
-    fit the context whatever it says (no token covers more characters than the vocabulary's
-    longest entry), so it is refused before it is tokenized.
-    """
+    """What the served model and options allow (the validation context); past
+    ``max_prompt_chars`` a text cannot fit the context, so it is refused untokenized."""
 
     vocab_size: int
     context_len: int
@@ -71,17 +59,29 @@ def _integral(value: Any) -> Any:
     return value
 
 
+def _bounded(name: str, *, upper: bool = True) -> Any:
+    """The constraints of ``params.BOUNDS[name]``; ``upper=False`` where a served limit is
+    tighter (top_k, max_tokens)."""
+    bound = BOUNDS[name]
+    limits: dict[str, Any] = {"gt" if bound.open_low else "ge": bound.low}
+    if upper:
+        limits["le"] = bound.high
+    if not bound.integer:
+        limits["allow_inf_nan"] = False
+    return Field(**limits)
+
+
 _Integral = BeforeValidator(_integral)
-_Temperature = Annotated[Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] | None,
+_Temperature = Annotated[Annotated[float, _bounded("temperature")] | None,
                          Field(description=f"0 is greedy; a temperature below "
                                            f"{MIN_TEMPERATURE} is greedy too")]
-_TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None
-_TopK = Annotated[Annotated[int, Field(ge=-1), _Integral] | None,
+_TopP = Annotated[float, _bounded("top_p")] | None
+_TopK = Annotated[Annotated[int, _bounded("top_k", upper=False), _Integral] | None,
                   Field(description="-1 or 0: off; else at most the vocabulary size")]
-_MinP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None
-_Seed = Annotated[Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), _Integral] | None,
+_MinP = Annotated[float, _bounded("min_p")] | None
+_Seed = Annotated[Annotated[int, _bounded("seed"), _Integral] | None,
                   Field(description="any integer of 64 bits")]
-_MaxTokens = Annotated[int, Field(ge=1), _Integral] | None
+_MaxTokens = Annotated[int, _bounded("max_tokens", upper=False), _Integral] | None
 _One = Annotated[Annotated[int, Field(ge=1, le=1), _Integral] | None,
                  Field(description="only 1 is supported")]
 _Stop = Annotated[Any, WithJsonSchema({
@@ -127,7 +127,7 @@ class StreamOptions(_Strict):
 _SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
                      "skip_special_tokens", "priority")
 # vLLM's extension: lower runs first where the engine's policy orders by it.
-_Priority = Annotated[Annotated[int, Field(ge=-(2**31 - 1), le=2**31 - 1), _Integral] | None,
+_Priority = Annotated[Annotated[int, _bounded("priority"), _Integral] | None,
                       Field(description="lower runs first (with the priority policy)")]
 
 

@@ -49,11 +49,10 @@ def check_model(body: Mapping[str, Any], served: str) -> None:
 
 async def completion(body: Mapping[str, Any], encoder: TextEncoder,
                      limits: protocol.Limits) -> ParsedRequest:
-    """A ``/v1/completions`` body; ``max_tokens`` defaults to 16 as in OpenAI's API."""
+    """A ``/v1/completions`` body; ``max_tokens`` defaults to SamplingParams' (OpenAI's 16)."""
     req = protocol.validate(protocol.CompletionRequest, body, limits)
     ids = await _prompt_ids(req.prompt, encoder, limits, "prompt")
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = _params(req.sampling_options(), max_tokens, "max_tokens")
+    params = _params(req.sampling_options(), req.max_tokens)
     return ParsedRequest(ids, params, bool(req.stream), req.include_usage)
 
 
@@ -63,10 +62,9 @@ async def chat(body: Mapping[str, Any], encoder: TextEncoder,
     req = protocol.validate(protocol.ChatCompletionRequest, body, limits)
     ids = await encoder.chat(req.chat_messages())
     check_length(ids, limits.context_len, "messages")
-    param = req.length_param
-    max_tokens = getattr(req, param)
+    max_tokens = getattr(req, req.length_param)
     params = _params(req.sampling_options(), limits.default_max_tokens if max_tokens is None
-                     else max_tokens, param)
+                     else max_tokens)
     return ParsedRequest(ids, params, bool(req.stream), req.include_usage)
 
 
@@ -77,8 +75,7 @@ async def generate(body: Mapping[str, Any], encoder: TextEncoder,
     param = "prompt" if req.prompt is not None else "input_ids"
     ids = await _prompt_ids(getattr(req, param), encoder, limits, param)
     options = req.sampling_params or protocol.NativeSampling()
-    max_tokens = 16 if options.max_tokens is None else options.max_tokens
-    params = _params(options.sampling_options(), max_tokens, "sampling_params.max_tokens")
+    params = _params(options.sampling_options(), options.max_tokens)
     return ParsedRequest(ids, params, bool(req.stream), include_usage=True)
 
 
@@ -107,15 +104,11 @@ def with_tenant(gen: ParsedRequest, tenant: str, param: str) -> ParsedRequest:
         raise bad_request(str(exc).replace("tenant", param, 1), param) from exc
 
 
-def _params(options: Mapping[str, Any], max_tokens: int, max_tokens_param: str
-            ) -> SamplingParams:
-    """SamplingParams; the models checked every range, so a refusal here names its field."""
-    try:
-        return SamplingParams(**options, max_tokens=max_tokens)
-    except InvalidRequestError as exc:
-        name = str(exc).split(" ", 1)[0]
-        param = max_tokens_param if name == "max_tokens" else name
-        raise bad_request(str(exc), param) from exc
+def _params(options: Mapping[str, Any], max_tokens: int | None) -> SamplingParams:
+    """SamplingParams of fields the request models checked; without ``max_tokens``, its
+    default."""
+    length = {} if max_tokens is None else {"max_tokens": max_tokens}
+    return SamplingParams.prechecked(**options, **length)
 
 
 def usage(output: RequestOutput) -> dict[str, Any]:
