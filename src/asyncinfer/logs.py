@@ -8,8 +8,7 @@ __all__ = ["configure_logging"]
 
 
 class _Plain(logging.Formatter):
-    """"asyncinfer: message" for our lines, "asyncinfer: warning: message" above INFO,
-    another library's under its name."""
+    """"asyncinfer: [level: ]message", or another library's name in front."""
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
@@ -19,11 +18,8 @@ class _Plain(logging.Formatter):
 
 
 def configure_logging(verbose: bool, process: str = "") -> None:
-    """Log to stderr: our INFO lines plain and other libraries' from WARNING, or with
-    ``verbose`` every INFO line with level, logger and (in a child, ``process``) time and name.
-
-    Logging that the caller set up already is left as it is.
-    """
+    """Log to stderr: our INFO lines plain, others' from WARNING; ``verbose``: every INFO
+    line with level and logger (in a child, ``process``, also time and name)."""
     root = logging.getLogger()
     if root.handlers:
         return

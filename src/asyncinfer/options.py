@@ -1,9 +1,7 @@
 """Command-line flags generated from option declarations (``EngineConfig``, ``ServerOptions``).
 
-A flag is ``--field-name`` unless the field names another spelling; its type comes from the
-annotation, its help and choices from the field's :class:`~asyncinfer.config.OptionInfo`.
-Engine flags default to None, so only the flags given are passed on. Nothing here imports
-torch at import time.
+A flag is ``--field-name`` (or the field's spelling), typed by its annotation, with the help
+and choices of its :class:`~asyncinfer.config.OptionInfo`. Imports no torch.
 """
 
 from __future__ import annotations
@@ -37,11 +35,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *,
                          only: Collection[str] | None = None, exclude: Collection[str] = (),
                          title: str | None = None,
                          defaults_here: Mapping[str, str] | None = None) -> None:
-    """Add a flag for each engine option (``only`` if given, less ``exclude``).
-
-    ``defaults_here``: what this command uses for an option whose flag is not given, where
-    that is not the engine's default (the help shows it).
-    """
+    """Add a flag for each engine option (``only`` if given, less ``exclude``);
+    ``defaults_here``: this command's own defaults, as the help shows them."""
     names = [n for n in (only if only is not None else engine_option_names())
              if n not in exclude]
     unknown = sorted(set(names) - set(engine_option_names()))
@@ -54,11 +49,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *,
 def add_option_arguments(parser: argparse.ArgumentParser, owner: type, names: Iterable[str],
                          *, title: str | None = None, shown: Mapping[str, str] | None = None,
                          defaults: Mapping[str, Any] | None = None) -> None:
-    """Add a flag for each named ``option()`` field of the attrs class ``owner``.
-
-    A flag defaults to None unless ``defaults`` gives it a value; ``shown`` overrides the
-    default the help shows.
-    """
+    """Add a flag for each named ``option()`` field of the attrs class ``owner``; it
+    defaults to None unless ``defaults`` gives it a value (``shown``: the help's default)."""
     group: Any = parser.add_argument_group(title) if title else parser
     fields = attrs.fields_dict(owner)
     for name in names:
@@ -70,10 +62,8 @@ def add_option_arguments(parser: argparse.ArgumentParser, owner: type, names: It
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``EngineConfig`` keyword options the flags in ``args`` set: those given, each
-    as the option's value (repeated ``KEY=VALUE`` flags as a mapping, see
-    :func:`~asyncinfer.policies.registry.parse_policy_options`; ConfigError if malformed).
-    """
+    """The ``EngineConfig`` keyword options of the flags given in ``args`` (``KEY=VALUE``
+    flags as a mapping; ConfigError if malformed)."""
     from asyncinfer.policies.registry import parse_policy_options
 
     fields = attrs.fields_dict(EngineConfig)
@@ -129,8 +119,7 @@ def _flag(owner: type, field: attrs.Attribute[Any], annotation: Any,
 
 
 def _bare(annotation: Any) -> Any:
-    """The type a flag parses, from an option's annotation: ``int | None`` → int, a Literal
-    of strings → str, a mapping (given as repeated ``key=value`` strings) → str."""
+    """The type a flag parses: ``int | None`` → int, a Literal or a mapping → str."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -161,11 +150,8 @@ _NAMED = re.compile(r"(?<![\w./-])([a-z][a-z0-9_]*)(?:=('[^']*'|\"[^\"]*\"|[\w.:
 
 
 def in_flag_terms(message: str) -> str:
-    """``message`` with the engine options it names spelled as their flags:
-    "page_size must be >= 1" becomes "--page-size must be >= 1", "attention_backend='torch'"
-    "--attention-backend torch", "cuda_graph=False" "--no-cuda-graph". A one-word name
-    ("device", "model") counts only where it is given a value or said to be wrong ("must"):
-    elsewhere it is an ordinary word."""
+    """``message`` with the engine options it names spelled as flags ("cuda_graph=False" →
+    "--no-cuda-graph"); a one-word name counts only given a value or before "must"."""
     flags = _flags()
 
     def spell(match: re.Match[str]) -> str:

@@ -1,18 +1,6 @@
-"""``asyncinfer serve``: the engine core in one process, the HTTP front in ``--api-workers``.
+"""One server: the engine core in one process, the HTTP front in ``--api-workers``.
 
-The server process binds the listening socket first (a port in use fails at once), starts
-the engine core (:mod:`asyncinfer.ipc.core`, which loads the model) and waits until it is
-ready, then starts fronts 1 .. N-1 as processes of their own and runs front 0 itself. Every
-front accepts on the same socket, tokenizes, detokenizes and streams, and talks to the core
-through an :class:`~asyncinfer.ipc.client.EngineClient`.
-
-Stopping: SIGTERM or SIGINT drains every front (see :func:`asyncinfer.server.app.drain`: it
-stops admitting, lets requests in flight finish for ``--shutdown-timeout`` seconds, ends the
-rest), then stops the core, and exits 0. A signal that comes while the core is still
-loading stops it and exits 0; one that comes before a front's event loop watches for
-signals is kept, and that front stops as soon as it is up. If the core dies, every front
-answers 503 to what is open and what comes, and exits non-zero; if a front dies, the
-server stops. A process whose server process is gone stops too, so none is left behind.
+See docs/architecture.md, "Server processes and stopping".
 """
 
 from __future__ import annotations
