@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: ``create_app(engine)`` and ``serve(args)``.
+"""The OpenAI-compatible HTTP server: ``create_app(backend)`` and ``serve(args)``.
 
 Attributes are imported on first use, so ``asyncinfer --help`` does not load aiohttp.
 """
