@@ -246,7 +246,7 @@ async def test_http_hang_ups_and_the_drain_reach_the_core(smollm2_dir: Path,
     from aiohttp.test_utils import TestClient, TestServer
 
     from asyncinfer.server import create_app
-    from asyncinfer.server.app import drain
+    from asyncinfer.server.operations import drain
 
     engine = AsyncEngine(None, dtype="float32", max_running_requests=16, kv_cache_gb=0.25)
     tokenizer = Tokenizer.from_pretrained(smollm2_dir)

@@ -177,3 +177,36 @@ def test_help_imports_no_torch(command: list[str]) -> None:
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "usage: asyncinfer" in done.stdout
+
+
+def test_serve_flags_are_generated_from_the_server_options(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, every server flag is its option's default; given, its value, checked."""
+    from asyncinfer.server.options import ServerOptions
+
+    monkeypatch.delenv("ASYNCINFER_API_KEY", raising=False)
+    parser = build_parser()
+    assert ServerOptions.from_args(parser.parse_args(["serve"])) == ServerOptions()
+    args = parser.parse_args(["serve", "--port", "0", "--max-tokens-limit", "7",
+                              "--special-tokens-in-text", "--router-policy", "random"])
+    assert ServerOptions.from_args(args) == ServerOptions(
+        port=0, max_tokens_limit=7, special_tokens_in_text=True, router_policy="random")
+    with pytest.raises(ConfigError, match="--body-timeout must be more than 0 seconds"):
+        ServerOptions.from_args(parser.parse_args(["serve", "--body-timeout", "0"]))
+    monkeypatch.setenv("ASYNCINFER_API_KEY", "k")
+    assert ServerOptions.from_args(build_parser().parse_args(["serve"])).api_key == "k"
+
+
+@pytest.mark.parametrize(("dp", "runs"), [(1, "one server"), (3, "replicas")])
+def test_serve_runs_replicas_only_with_dp(dp: int, runs: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncinfer.server.main
+    import asyncinfer.server.replicas
+
+    ran = []
+    monkeypatch.setattr(asyncinfer.server.main, "serve", lambda args: ran.append("one server"))
+    monkeypatch.setattr(asyncinfer.server.replicas, "serve_replicas",
+                        lambda args: ran.append("replicas"))
+    args = build_parser().parse_args(["serve", "--dp", str(dp)])
+    args.func(args)
+    assert ran == [runs]

@@ -17,7 +17,8 @@ from asyncinfer.api import RequestMetrics, RequestOutput
 from asyncinfer.errors import EngineError
 from asyncinfer.params import SamplingParams
 from asyncinfer.server import create_app
-from asyncinfer.server.app import METRICS, ServerOptions
+from asyncinfer.server.operations import METRICS
+from asyncinfer.server.options import ServerOptions
 from tests.conftest import engine_under_test
 
 CONTEXT = 64

@@ -19,7 +19,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 
 from asyncinfer.server import create_app
-from asyncinfer.server.app import ServerOptions
+from asyncinfer.server.options import ServerOptions
 from tests.test_server import StubEngine
 
 # Test extras (pyproject's [test]); a machine that runs only the GPU tests may lack them.

@@ -7,12 +7,8 @@ import sys
 from collections.abc import Sequence
 
 from asyncinfer.errors import AsyncInferError
-from asyncinfer.options import (
-    add_engine_arguments,
-    configure_logging,
-    engine_options,
-    in_flag_terms,
-)
+from asyncinfer.logs import configure_logging
+from asyncinfer.options import add_engine_arguments, engine_options, in_flag_terms
 
 # `generate` runs one request: one request slot is enough, unless --max-running-requests says.
 GENERATE_DEFAULTS = {"max_running_requests": 1}
@@ -43,7 +39,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _check_generate(args: argparse.Namespace) -> None:
     """What ``generate`` cannot run, refused before the model is fetched or loaded."""
-    from asyncinfer.options import check_environment, preflight
+    from asyncinfer.machine import check_environment
+    from asyncinfer.options import preflight
 
     check_environment(preflight(args, GENERATE_DEFAULTS))
 

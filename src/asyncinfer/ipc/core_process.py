@@ -182,16 +182,16 @@ class EngineCore:
 def run_engine_core(options: dict[str, Any], addresses: msg.Addresses, fronts: int,
                     ready: Connection, verbose: bool = False) -> None:
     """The core process's entry: check that this machine can run ``options`` (before
-    anything is fetched or loaded: see ``options.check_environment``), load the engine,
+    anything is fetched or loaded: see ``machine.check_environment``), load the engine,
     report ready (a CoreInfo) or the error that stopped it (a string, one line for an
     error raised on purpose) on ``ready``, then serve until stopped."""
-    from asyncinfer.options import configure_logging
+    from asyncinfer.logs import configure_logging
 
     configure_logging(verbose, "core")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from asyncinfer.config import EngineConfig
-        from asyncinfer.options import check_environment
+        from asyncinfer.machine import check_environment
 
         check_environment(EngineConfig(**options))
         from asyncinfer.api import AsyncEngine

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: ``create_app(engine)`` and ``serve(args)``.
+"""The OpenAI-compatible HTTP server: ``create_app(backend)`` and ``serve(args)``.
 
 Attributes are imported on first use, so ``asyncinfer --help`` does not load aiohttp.
 """
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncinfer.server.app import create_app
-    from asyncinfer.server.main import serve
+    from asyncinfer.server.cli import serve
 
 __all__ = ["create_app", "serve"]
 
@@ -20,7 +20,7 @@ def __getattr__(name: str) -> Any:
 
         return create_app
     if name == "serve":
-        from asyncinfer.server.main import serve
+        from asyncinfer.server.cli import serve
 
         return serve
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,5 @@
-"""The one mapping from an exception to an HTTP error response, in OpenAI's error shape.
-
-Every error body is ``{"error": {"message", "type", "param", "code"}}``, whatever raised it:
-our own ``AsyncInferError`` (through its ``http_status``), aiohttp's routing errors (404, 405,
-413) or an unexpected exception (500, logged with its traceback).
-"""
+"""The one mapping from an exception (ours, aiohttp's, or unexpected: 500, logged) to an
+HTTP error response, ``{"error": {"message", "type", "param", "code"}}`` as OpenAI's."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""``asyncinfer serve``: the engine core in one process, the HTTP front in ``--api-workers``.
+"""One server: the engine core in one process, the HTTP front in ``--api-workers``.
 
-The server process binds the listening socket first (a port in use fails at once), starts
-the engine core (:mod:`asyncinfer.ipc.core_process`, which loads the model) and waits until it is
-ready, then starts fronts 1 .. N-1 as processes of their own and runs front 0 itself. Every
-front accepts on the same socket, tokenizes, detokenizes and streams, and talks to the core
-through an :class:`~asyncinfer.ipc.client.EngineClient`.
-
-Stopping: SIGTERM or SIGINT drains every front (see :func:`asyncinfer.server.app.drain`: it
-stops admitting, lets requests in flight finish for ``--shutdown-timeout`` seconds, ends the
-rest), then stops the core, and exits 0. A signal that comes while the core is still
-loading stops it and exits 0; one that comes before a front's event loop watches for
-signals is kept, and that front stops as soon as it is up. If the core dies, every front
-answers 503 to what is open and what comes, and exits non-zero; if a front dies, the
-server stops. A process whose server process is gone stops too, so none is left behind.
+See docs/architecture.md, "Server processes and stopping".
 """
 
 from __future__ import annotations
@@ -36,18 +24,17 @@ from aiohttp import web
 
 from asyncinfer.errors import ConfigError, EngineError
 from asyncinfer.ipc.messages import Addresses, CoreInfo
-from asyncinfer.options import configure_logging, engine_options
+from asyncinfer.logs import configure_logging
+from asyncinfer.options import engine_options
 from asyncinfer.processes import describe_exit, new_event_loop, watch_exit
-from asyncinfer.server.cli import check_serve_flags
+from asyncinfer.server.options import ServerOptions
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
 
-    from asyncinfer.server.app import ServerOptions
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["app_runner", "new_event_loop", "serve", "server_options"]
+__all__ = ["app_runner", "new_event_loop", "serve"]
 
 CORE_START_TIMEOUT = 1800.0   # loading and capturing a large model takes a while
 CORE_STOP_TIMEOUT = 30.0
@@ -73,17 +60,6 @@ class StopSignals:
 
 class _Stopped(Exception):
     """A stop signal came while the engine core was starting."""
-
-
-def server_options(args: argparse.Namespace) -> ServerOptions:
-    """The server's limits and timeouts from the command line."""
-    from asyncinfer.server.app import ServerOptions
-
-    return ServerOptions(max_waiting_requests=args.max_waiting_requests,
-                         default_max_tokens=args.default_max_tokens,
-                         max_tokens_limit=args.max_tokens_limit,
-                         body_timeout=args.body_timeout,
-                         special_tokens_in_text=args.special_tokens_in_text)
 
 
 class _QuietMalformed(logging.Filter):
@@ -116,17 +92,13 @@ def app_runner(app: web.Application, header_timeout: float) -> web.AppRunner:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Serve the model on ``args.host:args.port`` until SIGTERM or SIGINT (then 0), or until
-    a process of the server dies (then 1)."""
-    check_serve_flags(args)
-    if args.dp > 1:
-        from asyncinfer.server.replicas import serve_replicas
-
-        return serve_replicas(args)
+    """Serve one replica on ``args.host:args.port`` until SIGTERM or SIGINT (then 0), or
+    until a process of the server dies (then 1); ``--dp`` is :mod:`.cli`'s to dispatch."""
+    options = ServerOptions.from_args(args)  # a wrong flag fails before the core loads
     signals = StopSignals()
-    workers = args.api_workers
+    workers = options.api_workers
     verbose = bool(getattr(args, "verbose", False))
-    listener = listen(args.host, args.port)
+    listener = listen(options.host, options.port)
     directory = tempfile.mkdtemp(prefix="asyncinfer-")
     addresses = Addresses(directory)
     spawn = multiprocessing.get_context("spawn")
@@ -254,7 +226,9 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
     """Serve HTTP on ``listener`` for the core until stopped (at once where ``signals``
     kept one from before the loop watched them); the exit code."""
     from asyncinfer.ipc.client import EngineClient
-    from asyncinfer.server.app import WorkerInfo, create_app, drain, unready
+    from asyncinfer.server.app import create_app
+    from asyncinfer.server.operations import drain, unready
+    from asyncinfer.server.router_api import WorkerInfo
     from asyncinfer.tokenizer import Tokenizer
 
     loop = asyncio.get_running_loop()
@@ -289,8 +263,8 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
                                            info.page_size, device=info.device or None,
                                            dtype=info.dtype or None)
         app = create_app(client, api_key=args.api_key,
-                         served_model_name=args.served_model_name, options=server_options(args),
-                         worker=worker)
+                         served_model_name=args.served_model_name,
+                         options=ServerOptions.from_args(args), worker=worker)
         runner = app_runner(app, args.header_timeout)
         await runner.setup()
         await web.SockSite(runner, listener).start()

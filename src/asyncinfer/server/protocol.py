@@ -1,12 +1,5 @@
-"""The request bodies of the HTTP API as typed models, and the OpenAPI document built from them.
-
-Every field is typed strictly (``"1"`` is not a number, ``true`` is not an integer) and every
-number is range-checked, the ranges that depend on the served model (vocabulary, context)
-through the validation context (:class:`Limits`). A body that fails becomes a 400 naming the
-field at fault (``param``), before any tokenizing or engine work. The fields of OpenAI's API
-named in ``_UNSUPPORTED`` are not implemented and are refused unless they are unset or at their
-default; a field the models do not name at all is ignored (``extra="ignore"``).
-"""
+"""The request bodies of the HTTP API as strict typed models; a body that fails is a 400
+naming the field, before any tokenizing. See docs/architecture.md, "Request models"."""
 
 from __future__ import annotations
 
@@ -27,10 +20,9 @@ from pydantic import (
     model_validator,
 )
 
-from asyncinfer.params import MAX_TENANT_CHARS, MIN_TEMPERATURE
+from asyncinfer.params import BOUNDS, MAX_TENANT_CHARS, MIN_TEMPERATURE
 from asyncinfer.server.errors import APIError, bad_request
 
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -38,12 +30,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 @frozen
 class Limits:
-    """What the served model and the server's options allow; the validation context.
-
-    ``max_prompt_chars`` bounds the characters of a text prompt: past it the prompt cannot
-    fit the context whatever it says (no token covers more characters than the vocabulary's
-    longest entry), so it is refused before it is tokenized.
-    """
+    """What the served model and options allow (the validation context); past
+    ``max_prompt_chars`` a text cannot fit the context, so it is refused untokenized."""
 
     vocab_size: int
     context_len: int
@@ -71,17 +59,29 @@ def _integral(value: Any) -> Any:
     return value
 
 
+def _bounded(name: str, *, upper: bool = True) -> Any:
+    """The constraints of ``params.BOUNDS[name]``; ``upper=False`` where a served limit is
+    tighter (top_k, max_tokens)."""
+    bound = BOUNDS[name]
+    limits: dict[str, Any] = {"gt" if bound.open_low else "ge": bound.low}
+    if upper:
+        limits["le"] = bound.high
+    if not bound.integer:
+        limits["allow_inf_nan"] = False
+    return Field(**limits)
+
+
 _Integral = BeforeValidator(_integral)
-_Temperature = Annotated[Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] | None,
+_Temperature = Annotated[Annotated[float, _bounded("temperature")] | None,
                          Field(description=f"0 is greedy; a temperature below "
                                            f"{MIN_TEMPERATURE} is greedy too")]
-_TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None
-_TopK = Annotated[Annotated[int, Field(ge=-1), _Integral] | None,
+_TopP = Annotated[float, _bounded("top_p")] | None
+_TopK = Annotated[Annotated[int, _bounded("top_k", upper=False), _Integral] | None,
                   Field(description="-1 or 0: off; else at most the vocabulary size")]
-_MinP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None
-_Seed = Annotated[Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), _Integral] | None,
+_MinP = Annotated[float, _bounded("min_p")] | None
+_Seed = Annotated[Annotated[int, _bounded("seed"), _Integral] | None,
                   Field(description="any integer of 64 bits")]
-_MaxTokens = Annotated[int, Field(ge=1), _Integral] | None
+_MaxTokens = Annotated[int, _bounded("max_tokens", upper=False), _Integral] | None
 _One = Annotated[Annotated[int, Field(ge=1, le=1), _Integral] | None,
                  Field(description="only 1 is supported")]
 _Stop = Annotated[Any, WithJsonSchema({
@@ -127,7 +127,7 @@ class StreamOptions(_Strict):
 _SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
                      "skip_special_tokens", "priority")
 # vLLM's extension: lower runs first where the engine's policy orders by it.
-_Priority = Annotated[Annotated[int, Field(ge=-(2**31 - 1), le=2**31 - 1), _Integral] | None,
+_Priority = Annotated[Annotated[int, _bounded("priority"), _Integral] | None,
                       Field(description="lower runs first (with the priority policy)")]
 
 
@@ -187,7 +187,7 @@ class _OpenAISampling(_Sampling):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _OpenAISampling:
-        for name, unset in _UNSUPPORTED.items():
+        for name, unset in UNSUPPORTED.items():
             if getattr(self, name) not in unset:
                 allowed = " or ".join(json.dumps(v) for v in unset if v is not None)
                 raise APIError(400, f"{name} is not supported by this server: leave it unset "
@@ -211,7 +211,7 @@ class _OpenAISampling(_Sampling):
 # OpenAI's default. ``tool_choice``: with no tools (``tools`` is refused unless empty) OpenAI's
 # default is "none", and "auto" leaves the choice to the model among no tools, which is plain
 # generation too; "required", a named function or any other value asks for a tool call.
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False), "best_of": (None, 1), "logprobs": (None, False, 0),
     "top_logprobs": (None, 0), "logit_bias": (None, {}), "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0), "suffix": (None, ""), "tools": (None, []),
@@ -435,86 +435,6 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
 def _short(error: Mapping[str, Any]) -> str:
     text = repr(error.get("input"))
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-# ---- the OpenAPI document ----------------------------------------------------------------
-
-
-_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type", "param", "code"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]},
-                   "code": {"type": ["string", "null"]}}}}}
-
-
-def openapi_document(limits: Limits, model: str | None = None) -> dict[str, Any]:
-    """OpenAPI 3.1 for the routes, from the models above, the served limits and the served
-    model's name."""
-    schemas: dict[str, Any] = {"Error": _ERROR_SCHEMA}
-    routes: dict[str, type[BaseModel]] = {
-        "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-        "/generate": GenerateRequest}
-    paths: dict[str, Any] = {}
-    for path, request in routes.items():
-        schema = request.model_json_schema(ref_template="#/components/schemas/{model}")
-        for name, sub in schema.pop("$defs", {}).items():
-            schemas[name] = _served(sub, limits, model)
-        schemas[request.__name__] = _served(schema, limits, model)
-        paths[path] = {"post": {
-            "summary": (request.__doc__ or "").split("\n")[0],
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{request.__name__}"}}}},
-            "responses": {
-                "200": {"description": "the result, or a stream of chunks when stream is true"},
-                **{str(s): {"description": d, "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/Error"}}}}
-                   for s, d in _ERROR_STATUSES.items()}}}}
-    for path, summary in (("/v1/models", "the served model"), ("/health", "liveness"),
-                          ("/metrics", "Prometheus metrics")):
-        paths[path] = {"get": {"summary": summary, "responses": {
-            "200": {"description": summary}, "503": {"description": "draining or down"}}}}
-    return {"openapi": "3.1.0", "info": {"title": "asyncinfer", "version": "1"}, "paths": paths,
-            "components": {"schemas": schemas}}
-
-
-_ERROR_STATUSES = {400: "a request the client can fix", 401: "a missing or wrong API key",
-                   404: "an unknown model", 408: "the body was not sent in time",
-                   413: "the body is too large", 500: "the engine failed the request",
-                   503: "the server is full or shutting down"}
-
-
-def _served(schema: dict[str, Any], limits: Limits, model: str | None) -> dict[str, Any]:
-    """A model's schema with the served model's bounds filled in, so that what the schema
-    allows is what the server accepts (token ids below the vocabulary, the served name)."""
-    props = schema.get("properties", {})
-    for name, bound in (("top_k", limits.vocab_size), ("max_tokens", limits.max_tokens_limit),
-                        ("max_completion_tokens", limits.max_tokens_limit)):
-        if name in props:
-            for option in props[name].get("anyOf", [props[name]]):
-                if option.get("type") == "integer":
-                    option["maximum"] = bound
-    for name in ("prompt", "input_ids"):
-        if name in props:
-            _bound_prompt(props[name], limits)
-    for name, allowed in _UNSUPPORTED.items():
-        if name in props:
-            props[name] = {"enum": list(allowed), "description": "not supported: unset or "
-                                                                  "its default"}
-    if "model" in props and model is not None:
-        props["model"] = {"anyOf": [{"const": model}, {"type": "null"}]}
-    return schema
-
-
-def _bound_prompt(schema: dict[str, Any], limits: Limits) -> None:
-    if schema.get("type") == "string":
-        schema["maxLength"] = limits.max_prompt_chars
-    if schema.get("type") == "integer":
-        schema["maximum"] = limits.vocab_size - 1
-    if schema.get("type") == "array" and schema.get("items", {}).get("type") == "integer":
-        schema["maxItems"] = limits.context_len - 1
-    for sub in [*schema.get("anyOf", []), schema.get("items", {})]:
-        if isinstance(sub, dict) and sub:
-            _bound_prompt(sub, limits)
 
 
 def max_prompt_chars(context_len: int, max_token_chars: int) -> int:

@@ -1,18 +1,6 @@
-"""``asyncinfer serve --dp N``: N engine replicas on this host behind sglang-router.
+"""``asyncinfer serve --dp N``: N whole servers on this host behind sglang-router.
 
-Each replica is a whole ``asyncinfer serve`` (its own engine core, fronts and, with
-``--tp``, ranks) in a process of its own, on a free local port; on CUDA replica i takes the
-GPUs from ``i * tp`` on. sglang-router, a cache-aware gateway (a Rust binary from the
-``sglang-router`` package, ``pip install 'asyncinfer[router]'``), listens on ``--port`` and
-routes the OpenAI requests to them: ``--router-policy`` (cache_aware by default, which
-sends a prompt where its prefix is already cached), and any other router flag through
-``--router-args``.
-
-The router polls each replica's /health every second and takes a replica out after two
-failures, so a replica that gets SIGTERM answers /health with 503 for ``--shutdown-delay``
-seconds (3 by default here) while it still serves, then drains: a rolling restart loses no
-request. Ctrl-C or SIGTERM stops the replicas that way, then the router; a process that
-dies stops the rest, and nothing outlives this one.
+See docs/architecture.md, "Data-parallel replicas".
 """
 
 from __future__ import annotations
@@ -121,7 +109,7 @@ def _replica_args(args: argparse.Namespace, index: int, tp: int,
 
 def _replica_main(args: argparse.Namespace) -> None:
     """A replica's process: ``asyncinfer serve`` for one replica, ended with its parent."""
-    from asyncinfer.options import configure_logging
+    from asyncinfer.logs import configure_logging
     from asyncinfer.server.main import serve
 
     die_with_parent(signal.SIGTERM)

@@ -1,8 +1,5 @@
-"""Validated request models in, engine requests out; responses and chunks in OpenAI's shapes.
-
-Bodies are validated by :mod:`asyncinfer.server.protocol`; here they become token ids (through
-a :class:`TextEncoder`, which tokenizes off the event loop) and :class:`SamplingParams`.
-"""
+"""Request translation: a body validated by :mod:`.protocol` becomes token ids and
+SamplingParams (a :class:`ParsedRequest`); results become OpenAI's responses and chunks."""
 
 from __future__ import annotations
 
@@ -13,9 +10,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from attrs import evolve, frozen
 
+import asyncinfer.server.protocol as protocol
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import SamplingParams
-from asyncinfer.server import protocol
 from asyncinfer.server.errors import APIError, bad_request
 
 if TYPE_CHECKING:
@@ -30,8 +27,8 @@ class TextEncoder(Protocol):
 
 
 @frozen
-class GenerationRequest:
-    """A validated request: prompt token ids, sampling parameters and how to answer."""
+class ParsedRequest:
+    """A body validated and tokenized: prompt token ids, sampling parameters, how to answer."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -51,38 +48,35 @@ def check_model(body: Mapping[str, Any], served: str) -> None:
 
 
 async def completion(body: Mapping[str, Any], encoder: TextEncoder,
-                     limits: protocol.Limits) -> GenerationRequest:
-    """A ``/v1/completions`` body; ``max_tokens`` defaults to 16 as in OpenAI's API."""
+                     limits: protocol.Limits) -> ParsedRequest:
+    """A ``/v1/completions`` body; ``max_tokens`` defaults to SamplingParams' (OpenAI's 16)."""
     req = protocol.validate(protocol.CompletionRequest, body, limits)
     ids = await _prompt_ids(req.prompt, encoder, limits, "prompt")
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = _params(req.sampling_options(), max_tokens, "max_tokens")
-    return GenerationRequest(ids, params, bool(req.stream), req.include_usage)
+    params = _params(req.sampling_options(), req.max_tokens)
+    return ParsedRequest(ids, params, bool(req.stream), req.include_usage)
 
 
 async def chat(body: Mapping[str, Any], encoder: TextEncoder,
-               limits: protocol.Limits) -> GenerationRequest:
+               limits: protocol.Limits) -> ParsedRequest:
     """A ``/v1/chat/completions`` body; without a length, the server's default applies."""
     req = protocol.validate(protocol.ChatCompletionRequest, body, limits)
     ids = await encoder.chat(req.chat_messages())
     check_length(ids, limits.context_len, "messages")
-    param = req.length_param
-    max_tokens = getattr(req, param)
+    max_tokens = getattr(req, req.length_param)
     params = _params(req.sampling_options(), limits.default_max_tokens if max_tokens is None
-                     else max_tokens, param)
-    return GenerationRequest(ids, params, bool(req.stream), req.include_usage)
+                     else max_tokens)
+    return ParsedRequest(ids, params, bool(req.stream), req.include_usage)
 
 
 async def generate(body: Mapping[str, Any], encoder: TextEncoder,
-                   limits: protocol.Limits) -> GenerationRequest:
+                   limits: protocol.Limits) -> ParsedRequest:
     """The native ``/generate`` body: ``prompt`` or ``input_ids``, ``sampling_params``."""
     req = protocol.validate(protocol.GenerateRequest, body, limits)
     param = "prompt" if req.prompt is not None else "input_ids"
     ids = await _prompt_ids(getattr(req, param), encoder, limits, param)
     options = req.sampling_params or protocol.NativeSampling()
-    max_tokens = 16 if options.max_tokens is None else options.max_tokens
-    params = _params(options.sampling_options(), max_tokens, "sampling_params.max_tokens")
-    return GenerationRequest(ids, params, bool(req.stream), include_usage=True)
+    params = _params(options.sampling_options(), options.max_tokens)
+    return ParsedRequest(ids, params, bool(req.stream), include_usage=True)
 
 
 async def _prompt_ids(prompt: str | list[int], encoder: TextEncoder, limits: protocol.Limits,
@@ -102,7 +96,7 @@ def check_length(ids: list[int], context_len: int, param: str) -> None:
                           f"fit)", param, "context_length_exceeded")
 
 
-def with_tenant(gen: GenerationRequest, tenant: str, param: str) -> GenerationRequest:
+def with_tenant(gen: ParsedRequest, tenant: str, param: str) -> ParsedRequest:
     """``gen`` for ``tenant`` (from ``param``, a header), checked as the body's is."""
     try:
         return evolve(gen, params=gen.params.replace(tenant=tenant))
@@ -110,15 +104,11 @@ def with_tenant(gen: GenerationRequest, tenant: str, param: str) -> GenerationRe
         raise bad_request(str(exc).replace("tenant", param, 1), param) from exc
 
 
-def _params(options: Mapping[str, Any], max_tokens: int, max_tokens_param: str
-            ) -> SamplingParams:
-    """SamplingParams; the models checked every range, so a refusal here names its field."""
-    try:
-        return SamplingParams(**options, max_tokens=max_tokens)
-    except InvalidRequestError as exc:
-        name = str(exc).split(" ", 1)[0]
-        param = max_tokens_param if name == "max_tokens" else name
-        raise bad_request(str(exc), param) from exc
+def _params(options: Mapping[str, Any], max_tokens: int | None) -> SamplingParams:
+    """SamplingParams of fields the request models checked; without ``max_tokens``, its
+    default."""
+    length = {} if max_tokens is None else {"max_tokens": max_tokens}
+    return SamplingParams.prechecked(**options, **length)
 
 
 def usage(output: RequestOutput) -> dict[str, Any]:
