@@ -1,7 +1,7 @@
 """The radix cache maps each cached whole-page prefix to the pages first stored for it,
 conserves pages with the allocator, never evicts a locked path, and decides the same way
 every time. The naive cache shares nothing and keeps nothing; both are the prefix caches the
-cache manager picks by name."""
+KV manager picks by name."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from asyncinfer.kvcache.pool import PageAllocator
 from asyncinfer.kvcache.prefix import NaiveCache, PrefixCache, PrefixMatch
 from asyncinfer.kvcache.radix import Chunk, Node, RadixCache
-from asyncinfer.scheduler.cache import PREFIX_CACHES
+from asyncinfer.scheduler.kv_manager import PREFIX_CACHES
 
 
 def cached_prefixes(cache: RadixCache) -> dict[tuple[Chunk, ...], int]:

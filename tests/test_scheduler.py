@@ -199,7 +199,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.step()
         assert not self.sched.has_work, "requests left unfinished"
         self.sched.check_invariants()
-        assert self.sched.cache.allocator.num_free + self.sched.cache.cached_pages == (
+        assert self.sched.kv.allocator.num_free + self.sched.kv.cached_pages == (
             self.engine.num_pages)
         assert len(self.sched.free_rows) == self.engine.max_rows
         assert set(self.finished) == set(self.expected), "a request never finished"
@@ -291,7 +291,7 @@ def test_prefix_lookups_are_counted_only_by_a_cache_that_shares(cache_type: str)
         sched.add_request(uid, prompt, SamplingParams(max_tokens=2, temperature=0.0))
         while sched.has_work:
             sched.step()
-    stats = sched.cache.stats
+    stats = sched.kv.stats
     counts = (stats.queries, stats.hits, stats.query_tokens, stats.hit_tokens)
     assert counts == ((2, 1, 26, 12) if cache_type == "radix" else (0, 0, 0, 0))
     sched.check_invariants()
@@ -322,7 +322,7 @@ def test_a_high_priority_request_preempts_its_way_in_and_the_preempted_lose_noth
     step()
     assert sched.last_decision is not None and sched.last_decision.preempt == (0,)
     assert 2 in sched.running and 0 not in sched.running, "admitted in the next round"
-    assert sched.cache.cached_pages >= len(low[0]) // 4, "its full pages stayed cached"
+    assert sched.kv.cached_pages >= len(low[0]) // 4, "its full pages stayed cached"
     for _ in range(200):
         if not sched.has_work:
             break

@@ -1,7 +1,7 @@
-"""Prefix caches: what the cache manager needs of one, and the one that shares nothing.
+"""Prefix caches: what the KV manager needs of one, and the one that shares nothing.
 
 A prefix cache owns the KV pages of finished sequences so that later requests starting with
-the same tokens reuse them instead of computing them again. The cache manager drives it
+the same tokens reuse them instead of computing them again. The KV manager drives it
 through :class:`PrefixCache` alone; the page allocator stays with the manager, so a cache
 adopts pages on ``insert`` and hands pages back from ``insert`` and ``evict``, never freeing
 any itself. Implementations: :class:`NaiveCache` here, ``radix.RadixCache`` (a prefix tree).
@@ -39,7 +39,7 @@ class PrefixCache(Protocol[H]):
 
     shares: ClassVar[bool]
     """Whether a match can ever find anything. Only a cache that shares counts its lookups
-    (``scheduler.cache.PrefixCacheStats``): without one the counts stay 0."""
+    (``scheduler.kv_manager.PrefixCacheStats``): without one the counts stay 0."""
 
     @property
     def cached_pages(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from attrs import define, field
 
-from asyncinfer.scheduler.cache import CacheManager
+from asyncinfer.scheduler.kv_manager import KVManager
 from asyncinfer.scheduler.request import Req
 
 
@@ -20,7 +20,7 @@ class PrefillAdder:
     ones); the scheduler hands out the rows themselves when it builds the batch.
     """
 
-    cache: CacheManager
+    kv: KVManager
     token_budget: int
     free_slots: int
     reserved_pages: int
@@ -35,14 +35,14 @@ class PrefillAdder:
             return self._take_chunk(req)
         if self.free_slots <= 0:
             return False
-        self.cache.match(req)
-        need = self.cache.pages_to_finish(req)
+        self.kv.match(req)
+        need = self.kv.pages_to_finish(req)
         extend = req.seq_len - req.cached_len
         # A recompute (prompt and outputs, after a preemption) may exceed the budget its
         # prompt was checked against: it is chunked even with chunked prefill off.
         fits_budget = extend <= self.token_budget or self.chunked_prefill or req.preemptions > 0
-        if not fits_budget or need > self.cache.available_pages - self.reserved_pages:
-            self.cache.unmatch(req)
+        if not fits_budget or need > self.kv.available_pages - self.reserved_pages:
+            self.kv.unmatch(req)
             return False
         self.free_slots -= 1
         self.reserved_pages += need

@@ -34,8 +34,8 @@ from asyncinfer.policies.base import (
     TenantService,
     WaitingRequest,
 )
-from asyncinfer.scheduler.cache import CacheManager
-from asyncinfer.scheduler.engine import Engine
+from asyncinfer.scheduler.batch_runner import BatchRunner
+from asyncinfer.scheduler.kv_manager import KVManager
 from asyncinfer.scheduler.prefill import PrefillAdder
 from asyncinfer.scheduler.request import Req, RowState
 from asyncinfer.scheduler.table import RowTable
@@ -56,17 +56,17 @@ class ScheduledBatch:
 class Scheduler:
     """Continuous batching over a paged KV cache, with batch selection left to a Policy."""
 
-    def __init__(self, engine: Engine, policy: Policy, config: EngineConfig,
+    def __init__(self, runner: BatchRunner, policy: Policy, config: EngineConfig,
                  eos_token_ids: frozenset[int] = frozenset()) -> None:
-        self.engine = engine
+        self.runner = runner
         self.policy = policy
         self.config = config
         self.eos_token_ids = eos_token_ids
-        self.cache = CacheManager(engine.num_pages, engine.page_size, engine.page_table,
-                                  config.cache_type)
+        self.kv = KVManager(runner.num_pages, runner.page_size, runner.page_table,
+                            config.cache_type)
         self.waiting: list[Req] = []            # arrival order, preempted requests first
         self.running: dict[int, Req] = {}       # uid -> request, decoding
-        self.table = RowTable(engine.max_rows)
+        self.table = RowTable(runner.max_rows)
         self.round = 0
         self.decode_streak = 0
         self.tokens_computed = 0
@@ -86,8 +86,8 @@ class Scheduler:
 
     def add_request(self, uid: int, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Queue a request; one that can never run finishes at once with an error event."""
-        n, ctx = len(prompt_ids), self.engine.context_len
-        capacity = self.engine.num_pages * self.engine.page_size
+        n, ctx = len(prompt_ids), self.runner.context_len
+        capacity = self.runner.num_pages * self.runner.page_size
         error = None
         if n == 0:
             error = "the prompt is empty"
@@ -214,10 +214,10 @@ class Scheduler:
             running=tuple(RunningRequest(r.uid, r.seq_len, r.remaining_tokens,
                                          r.params.priority, r.arrival_round, r.params.tenant)
                           for r in self._running_in_uid_order()),
-            free_pages=max(0, self.cache.available_pages - reserved),
+            free_pages=max(0, self.kv.available_pages - reserved),
             free_slots=self.table.num_free,
             token_budget=self.config.max_extend_tokens,
-            page_size=self.engine.page_size,
+            page_size=self.runner.page_size,
             round=self.round,
             decode_streak=self.decode_streak,
             served=tuple(TenantService(t, *self._served[t]) for t in sorted(self._served)),
@@ -274,7 +274,7 @@ class Scheduler:
         return self._build_prefill(adder) if adder.try_add(req) else None
 
     def _prefill_adder(self) -> PrefillAdder:
-        return PrefillAdder(self.cache, self.config.max_extend_tokens, self.table.num_free,
+        return PrefillAdder(self.kv, self.config.max_extend_tokens, self.table.num_free,
                             self._reserved_pages(), self.config.chunked_prefill)
 
     def _build_prefill(self, adder: PrefillAdder) -> ScheduledBatch:
@@ -282,11 +282,11 @@ class Scheduler:
             if req.row_state is RowState.CLAIMED:  # newly admitted: rows go in batch order
                 row = self.table.allocate()
                 req.take_row(row)
-                self.engine.write_prompt(row, req.token_ids())
-                self.cache.admit(req)
+                self.runner.write_prompt(row, req.token_ids())
+                self.kv.admit(req)
                 if req.preemptions == 0:  # its first admission: the prompt is served once
                     self._served.setdefault(req.params.tenant, [0, 0])[0] += len(req.prompt_ids)
-            self.cache.allocate(req, end)
+            self.kv.allocate(req, end)
         reqs = [req for req, _ in adder.admitted]
         ends = [end for _, end in adder.admitted]
         # A prefill covers the whole sequence so far (a preempted request's outputs too): it
@@ -310,10 +310,10 @@ class Scheduler:
                 if r.device_len < r.max_len and not r.suspect]
         if not reqs:
             return None
-        size = self.engine.page_size
+        size = self.runner.page_size
         for req in reqs:
             if req.device_len > len(req.pages) * size:  # crosses into a new page
-                self.cache.allocate(req, req.device_len)
+                self.kv.allocate(req, req.device_len)
         batch = Batch(rows=_rows(reqs), starts=[r.device_len - 1 for r in reqs],
                       ends=[r.device_len for r in reqs], params=[r.params for r in reqs],
                       steps=[r.device_len - r.prompt_len for r in reqs])
@@ -328,7 +328,7 @@ class Scheduler:
         """One round without overlap: schedule, run the batch, process its results."""
         scheduled = self.schedule()
         if scheduled is not None:
-            tokens = self.engine.forward(scheduled.batch).next_tokens.tolist()
+            tokens = self.runner.forward(scheduled.batch).next_tokens.tolist()
             self.process(scheduled, tokens)
         return self.take_events()
 
@@ -412,7 +412,7 @@ class Scheduler:
 
     def _reserved_pages(self) -> int:
         # Called every round over every active request: plain arithmetic, no properties.
-        size = self.engine.page_size
+        size = self.runner.page_size
         active = list(self.running.values()) + [r for r in self.waiting if r.admitted]
         return sum((len(r.prompt_ids) + r.max_tokens + size - 1) // size - len(r.pages)
                    for r in active)
@@ -421,7 +421,7 @@ class Scheduler:
         if self.in_flight:  # a launched batch may still read or write its row and pages
             self._deferred.append((self._launched, req, keep))
             return
-        self.cache.release(req, keep)
+        self.kv.release(req, keep)
         self.table.release(req.drop_row())
 
     def _release_deferred(self) -> None:
@@ -430,7 +430,7 @@ class Scheduler:
             if batch_seq > self._processed:
                 waiting.append((batch_seq, req, keep))
                 continue
-            self.cache.release(req, keep)
+            self.kv.release(req, keep)
             self.table.release(req.drop_row())
         self._deferred = waiting
 
@@ -460,15 +460,15 @@ class Scheduler:
         active = list(self.running.values()) + [r for r in self.waiting if r.admitted]
         active += [req for _, req, _ in self._deferred]
         owned = sum(len(r.pages) - r.shared_pages for r in active)
-        free, cached = self.cache.allocator.num_free, self.cache.cached_pages
-        assert free + cached + owned == self.engine.num_pages, (free, cached, owned)
+        free, cached = self.kv.allocator.num_free, self.kv.cached_pages
+        assert free + cached + owned == self.runner.num_pages, (free, cached, owned)
         for req in [*self.waiting, *self.running.values(), *active]:
             assert req.row_state is not RowState.CLAIMED, req.uid
             assert (req.row is not None) == (req.row_state is RowState.HELD), req.uid
             assert (req.prefix_handle is not None) == (req.shared_pages > 0), req.uid
         rows = sorted(_rows(active) + self.table.free_rows)
-        assert rows == list(range(self.engine.max_rows)), rows
-        assert self._reserved_pages() <= self.cache.available_pages
+        assert rows == list(range(self.runner.max_rows)), rows
+        assert self._reserved_pages() <= self.kv.available_pages
         suspects = {r.uid for r in [*self.waiting, *self.running.values()] if r.suspect}
         assert suspects == self._suspects, (suspects, self._suspects)
 

@@ -1,4 +1,4 @@
-"""The cache manager: pages for requests, shared through a prefix cache (or not)."""
+"""The KV manager: pages for requests, shared through a prefix cache (or not)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class PrefixCacheStats:
         self.hit_tokens += hit_tokens
 
 
-class CacheManager:
+class KVManager:
     """Hands out pages, writes them into the page table, and gives them back at the end.
 
     The prefix cache named by ``cache_type`` (see ``PREFIX_CACHES``) decides what is shared:
