@@ -34,7 +34,7 @@ from asyncinfer.scheduler.scheduler import Scheduler
 def waiting(uid: int, tenant: str, prompt: int = 10, *, chunked: bool = False
             ) -> WaitingRequest:
     return WaitingRequest(uid=uid, prompt_len=prompt, prefill_remaining=prompt,
-                          max_tokens=16, arrival_round=0, waited_rounds=0, chunked=chunked,
+                          remaining_tokens=16, arrival_round=0, waited_rounds=0, chunked=chunked,
                           tenant=tenant)
 
 

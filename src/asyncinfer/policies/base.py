@@ -19,7 +19,7 @@ class WaitingRequest:
     uid: int
     prompt_len: int             # tokens to prefill: the prompt (and a preempted one's outputs)
     prefill_remaining: int      # of those, still to compute (before prefix matching)
-    max_tokens: int             # output tokens it may still produce
+    remaining_tokens: int       # output tokens it may still produce
     arrival_round: int          # the scheduler round in which it arrived
     waited_rounds: int          # rounds since arrival
     chunked: bool               # part of its prompt is computed already (chunked prefill)

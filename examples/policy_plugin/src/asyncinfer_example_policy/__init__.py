@@ -30,10 +30,10 @@ def _aging(policy: Any, attribute: Attribute[Any], value: Any) -> None:
 
 @frozen
 class ShortestOutputFirst:
-    """Prefill the waiting request with the fewest output tokens to go first (by max_tokens).
+    """Prefill the waiting request with the fewest output tokens to go first.
 
     A short answer then never waits behind long generations it arrived with: each request
-    ranks by ``max_tokens - aging * waited_rounds`` (lowest first; ties in arrival order),
+    ranks by ``remaining_tokens - aging * waited_rounds`` (lowest first; ties in arrival order),
     and admission stops at the first candidate that does not fit, so nothing passes the
     request at the head of that order.
 
@@ -57,7 +57,7 @@ class ShortestOutputFirst:
 
     def rank(self, request: WaitingRequest) -> float:
         """Lower goes first."""
-        return request.max_tokens - self.aging * request.waited_rounds
+        return request.remaining_tokens - self.aging * request.waited_rounds
 
     def decide(self, view: SchedulerView) -> Decision:
         """Prefill by rank when anything waits (stopping at a misfit), else decode."""
