@@ -1,8 +1,9 @@
 """The Policy protocol: a policy reads a SchedulerView and returns a Decision.
 
-A policy chooses what runs next; the scheduler carries the choice out (admission control,
-chunking, page allocation). Policies must be deterministic: no clocks, randomness, object ids
-or hash order. Same view in, same decision out, on every rank.
+A policy chooses what runs next; the scheduler carries it out (admission, chunking, pages).
+Contract: deterministic in the sequence of views. A decision may depend on every view shown
+so far (``served`` covers only the time since the previous one, so a fair-share policy keeps
+state), never on clocks, randomness, object ids or hash order; every rank decides alike.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class SchedulerView:
     page_size: int
     round: int                             # logical clock: batches run so far
     decode_streak: int                     # decode rounds in a row just before this one
-    served: tuple[TenantService, ...] = ()  # since the last decision, by tenant name
+    served: tuple[TenantService, ...] = ()  # since the previous view, by tenant name
 
 
 @frozen
@@ -101,7 +102,10 @@ class Decision:
 
 @runtime_checkable
 class Policy(Protocol):
-    """Chooses the next batch. Implement ``decide``; ``name`` shows in logs and metrics."""
+    """Chooses the next batch. Implement ``decide``; ``name`` shows in logs and metrics.
+
+    ``decide`` is called once per view, in order; the same views in the same order give
+    the same decisions."""
 
     name: str
 
