@@ -1,10 +1,7 @@
 """Prefix caches: what the KV manager needs of one, and the one that shares nothing.
 
-A prefix cache owns the KV pages of finished sequences so that later requests starting with
-the same tokens reuse them instead of computing them again. The KV manager drives it
-through :class:`PrefixCache` alone; the page allocator stays with the manager, so a cache
-adopts pages on ``insert`` and hands pages back from ``insert`` and ``evict``, never freeing
-any itself. Implementations: :class:`NaiveCache` here, ``radix.RadixCache`` (a prefix tree).
+A cache adopts pages on ``insert`` and hands pages back from ``insert`` and ``evict``; it
+never frees any itself (the allocator stays with the KV manager).
 """
 
 from __future__ import annotations
@@ -28,18 +25,13 @@ class PrefixMatch(Generic[H]):
 
 
 class PrefixCache(Protocol[H]):
-    """A store of finished sequences' KV pages that later requests match their tokens against.
+    """Finished sequences' KV pages that later requests match their tokens against.
 
-    A request matches its sequence, locks the match's handle while it uses those pages (a
-    locked prefix is never evicted), and unlocks it exactly once when it is done; a match
-    of no pages pins nothing, and its caller need not lock it. Every choice (what matches,
-    what is evicted first) must follow from the calls made alone, so every tensor-parallel
-    rank makes the same ones.
-    """
+    Invariants: a locked prefix is never evicted; each lock is unlocked once; every choice
+    follows from the calls made alone, so every rank makes the same ones."""
 
     shares: ClassVar[bool]
-    """Whether a match can ever find anything. Only a cache that shares counts its lookups
-    (``scheduler.kv_manager.PrefixCacheStats``): without one the counts stay 0."""
+    """Whether a match can ever find anything (only then are lookups counted)."""
 
     @property
     def cached_pages(self) -> int:
@@ -53,8 +45,7 @@ class PrefixCache(Protocol[H]):
 
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch[H]:
         """Longest cached whole-page prefix of ``tokens``, leaving at least the last token out
-        (the caller computes at least one token, for the logits of the next one). ``tokens``
-        is read during the call, never kept or changed."""
+        (its logits are needed); ``tokens`` is never kept or changed."""
         ...
 
     def lock(self, handle: H) -> None:
@@ -78,8 +69,7 @@ class PrefixCache(Protocol[H]):
 
 
 class NaiveCache:
-    """The prefix cache that shares nothing: no match finds a token, nothing is kept, and
-    every page of a finished sequence goes back to the free list."""
+    """The prefix cache that shares nothing: every page goes back to the free list."""
 
     shares: ClassVar[bool] = False
     cached_pages: ClassVar[int] = 0

@@ -43,12 +43,8 @@ class RunningRequest:
 
 @frozen
 class TenantService:
-    """Tokens served to one tenant since the policy was last asked.
-
-    A request's prompt counts once, in full, in the round it is first admitted (a preempted
-    request's recompute is not counted again); each output token counts in the round its
-    result is processed. Summed over views, that is everything the tenant was served.
-    """
+    """Tokens served to one tenant since the previous view: a prompt once, at its first
+    admission; an output token when processed. Summed over views, all it was served."""
 
     tenant: str
     input_tokens: int
@@ -72,16 +68,9 @@ class SchedulerView:
 
 @frozen
 class Decision:
-    """Decode the running set, or prefill from ``candidates`` (uids, in this order).
-
-    With ``on_misfit="stop"`` admission ends at the first candidate that does not fit;
-    with ``"skip"`` that candidate is passed over and the next one is tried. If a prefill
-    admits nothing, the scheduler decodes instead (when anything is running).
-
-    ``preempt`` names running requests to send back to the waiting queue before admission:
-    their rows and pages are freed (the prefix cache keeps their computed full pages), and
-    they continue later where they stopped, with the same tokens.
-    """
+    """Decode the running set, or prefill from ``candidates`` (uids, in order), stopping at
+    or skipping a misfit (``on_misfit``); a prefill that admits nothing decodes instead.
+    ``preempt``: running requests to re-queue first; they resume with the same tokens."""
 
     action: Literal["prefill", "decode"]
     candidates: tuple[int, ...] = field(default=(), converter=tuple)

@@ -11,7 +11,7 @@ from asyncinfer.core import Batch, ForwardOutput
 
 
 class BatchRunner(Protocol):
-    """A model runner as seen by the scheduler; tests drive the scheduler with a fake one."""
+    """A model runner as the scheduler sees it (``tests/fake_engine.py`` is a fake one)."""
 
     page_table: torch.Tensor   # [rows, width]: KV slot of each position, on the host
     token_pool: torch.Tensor   # [rows, width]: token id of each position

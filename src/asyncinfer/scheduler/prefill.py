@@ -1,4 +1,4 @@
-"""Admission control for one prefill round: token budget, free slots, and KV reservations."""
+"""Admission control for one prefill round: token budget, free rows, KV reservations."""
 
 from __future__ import annotations
 
@@ -10,15 +10,8 @@ from asyncinfer.scheduler.request import Req
 
 @define
 class PrefillAdder:
-    """Admits requests one by one into a prefill batch while they fit.
-
-    A request fits when a table row is free, the round's token budget has room for its
-    sequence (its prompt, with its outputs after a preemption; or, with chunked prefill, for
-    a first chunk of it), and the pages it may ever need fit in what is available after
-    every admitted request's own future needs are reserved, so running requests never run
-    out of KV. A newly admitted request claims a row (``free_slots`` counts the unclaimed
-    ones); the scheduler hands out the rows themselves when it builds the batch.
-    """
+    """Admits requests into a prefill batch while a row, the token budget and the pages
+    they may ever need (after ``reserved_pages``) allow: running requests never run dry."""
 
     kv: KVManager
     token_budget: int
@@ -38,8 +31,7 @@ class PrefillAdder:
         self.kv.match(req)
         need = self.kv.pages_to_finish(req)
         extend = req.seq_len - req.cached_len
-        # A recompute (prompt and outputs, after a preemption) may exceed the budget its
-        # prompt was checked against: it is chunked even with chunked prefill off.
+        # A recompute after a preemption is chunked even with chunked prefill off.
         fits_budget = extend <= self.token_budget or self.chunked_prefill or req.preemptions > 0
         if not fits_budget or need > self.kv.available_pages - self.reserved_pages:
             self.kv.unmatch(req)

@@ -1,17 +1,6 @@
 """The scheduler: receive → select (by policy) → prepare → forward → process.
 
-One loop serves the offline ``LLM`` and the online coordinator. It keeps the waiting queue
-(arrival order, requests sent back by a preemption in front), the running set (iterated in
-uid order: set order differs between ranks), the request table and the KV cache, and asks a
-Policy what runs next.
-
-A batch whose forward fails harms only its own requests, and only when alone: ``recover``
-sends the members of a failed batch back to the queue (a preemption: their KV is dropped and
-recomputed, their output continues where it stopped) as suspects, and a suspect runs alone
-until a batch of its own succeeds; a request that fails alone is failed. This always ends:
-a lone batch of a suspect completes its prefill and so samples a token, so between two
-failures of batches holding it a request either gains a token (and ``max_tokens`` bounds
-those) or is failed.
+See docs/architecture.md, 'Scheduler' and 'Failure isolation'.
 """
 
 from __future__ import annotations
@@ -45,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 @define
 class ScheduledBatch:
-    """A batch with the requests behind it and the extents each computes."""
+    """A batch with the requests behind it."""
 
     batch: Batch
     reqs: list[Req]
@@ -75,8 +64,7 @@ class Scheduler:
         self._events: list[Event] = []
         self._launched = 0                      # batches scheduled so far
         self._processed = 0                     # batches whose results were processed
-        # Finished or aborted requests whose row and pages a launched batch may still touch,
-        # with the batch they wait for: with overlap, batch N+1 runs while N is processed.
+        # (batch seq, request, keep): released once that batch is processed.
         self._deferred: list[tuple[int, Req, bool]] = []
         self._suspects: set[int] = set()        # uids of suspects (see recover)
         # Tokens served per tenant since the policy was last asked: [input, output].
@@ -107,10 +95,7 @@ class Scheduler:
 
     def abort(self, uid: int, notify: bool = True) -> bool:
         """Drop a request wherever it is and free what it holds; False if unknown.
-
-        With ``notify`` an "abort" event reports it; a frontend that ended the request
-        itself (a stop string matched) passes False.
-        """
+        ``notify``: report an "abort" event (False when the frontend ended it itself)."""
         req = self._remove(uid)
         if req is None:
             return False
@@ -120,8 +105,7 @@ class Scheduler:
         return True
 
     def fail(self, uid: int, error: str) -> bool:
-        """End a request with an "error" event of kind "engine" and free what it holds;
-        False if unknown."""
+        """End a request with an "engine" error event; False if unknown."""
         req = self._remove(uid)
         if req is None:
             return False
@@ -130,19 +114,9 @@ class Scheduler:
         return True
 
     def preempt(self, uid: int, keep_prefix: bool = False) -> bool:
-        """Send an admitted request back to the front of the waiting queue, to be recomputed;
-        False if it holds nothing (unknown, or waiting for its first admission).
-
-        Its row and pages are released (once no launched batch may touch them) without going
-        into the prefix cache, as after a failed forward (its KV may be corrupt), unless
-        ``keep_prefix`` (a policy's preemption: its computed full pages go into the prefix
-        cache, so its recompute finds them there). Its
-        progress is reset, so a later prefill recomputes its prompt and the outputs the host
-        has received; what batches launched before now sample for it is dropped. Its output
-        then continues where it stopped: ``max_tokens`` counts the outputs it has, and the
-        sampling step (which keys seeded sampling) resumes at their number, so a greedy or
-        seeded request produces the tokens it would have produced anyway.
-        """
+        """Send an admitted request to the front of the queue, to be recomputed with the
+        same tokens; False if it holds nothing. ``keep_prefix``: its full pages go to the
+        prefix cache. See docs/architecture.md, 'Preemption'."""
         req = self.running.get(uid)
         if req is None:
             req = next((r for r in self.waiting if r.uid == uid and r.admitted), None)
@@ -151,7 +125,6 @@ class Scheduler:
             self.waiting.remove(req)
         else:
             del self.running[uid]
-        # A copy holds the row and pages until they are released; the request starts afresh.
         self._release(evolve(req), keep=keep_prefix)
         req.drop_row()
         req.pages, req.shared_pages, req.prefix_handle = [], 0, None
@@ -161,16 +134,9 @@ class Scheduler:
         return True
 
     def recover(self, failed: ScheduledBatch, later: ScheduledBatch | None, error: str) -> None:
-        """Undo ``failed``, a batch whose forward raised, and ``later``, the batch launched
-        after it (its inputs include tokens ``failed`` never wrote). Neither is processed; the
-        caller has waited until neither runs any more, and launched nothing after them.
-
-        A request alone in ``failed`` is failed with ``error``. The other members of
-        ``failed`` become suspects, and they and the members of ``later`` are preempted (see
-        :meth:`preempt`). A suspect's next batch holds it alone (see :meth:`schedule`) and it
-        is cleared once such a batch samples its token. Requests in neither batch go on as if
-        nothing happened.
-        """
+        """Undo ``failed`` (its forward raised) and ``later`` (launched after it), neither
+        running nor processed: a lone request is failed, the others preempted, ``failed``'s
+        as suspects. See docs/architecture.md, 'Failure isolation'."""
         last = later or failed
         assert failed.seq == self._processed + 1 and last.seq == self._launched, (
             "recover the oldest unprocessed batch, and the one launched after it")
@@ -178,7 +144,6 @@ class Scheduler:
         self.round += last.seq - failed.seq + 1
         self._release_deferred()
         alone = failed.batch.size == 1
-        # Reversed: each preempted request goes to the front, so they keep batch order.
         for req in reversed(self._members(failed)):
             if alone:
                 self.fail(req.uid, error)
@@ -192,7 +157,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        """Something is waiting, running, releasing, or has an event to report."""
+        """Something waits, runs, is being released or has an event to report."""
         return bool(self.waiting or self.running or self._events or self._deferred)
 
     @property
@@ -224,13 +189,8 @@ class Scheduler:
         )
 
     def schedule(self) -> ScheduledBatch | None:
-        """Ask the policy, then build the batch it chose (or the fallback decode).
-
-        While a suspect waits the policy is not asked: the batch is the next prefill (or
-        chunk) of that suspect alone, or, if it does not fit, a decode of the others. A
-        suspect never shares a batch. None when there is nothing to run until a batch in
-        flight is processed.
-        """
+        """Ask the policy and build the batch it chose, else a decode; a waiting suspect
+        runs alone instead. None when nothing can run until a batch in flight is processed."""
         if not (self.waiting or self.running):
             return None
         suspect = self._waiting_suspect() if self._suspects else None
@@ -246,7 +206,6 @@ class Scheduler:
             batch = self._schedule_decode()
         if batch is None:
             if self.in_flight == 0 and not self.running and not self._deferred:
-                # Nothing runs and nothing will be freed: waiting again would hang.
                 raise EngineError(self._stuck(decision, suspect))
             return None
         self._launched += 1
@@ -261,7 +220,6 @@ class Scheduler:
                 self.preempt(uid, keep_prefix=True)
         by_uid = {r.uid: r for r in self.waiting}
         adder = self._prefill_adder()
-        # A half-prefilled prompt holds pages and a row: resume it before anything else.
         order = [r.uid for r in self.waiting if r.admitted]
         order += [u for u in decision.candidates if u in by_uid and not by_uid[u].admitted]
         for uid in order:
@@ -289,8 +247,6 @@ class Scheduler:
             self.kv.allocate(req, end)
         reqs = [req for req, _ in adder.admitted]
         ends = [end for _, end in adder.admitted]
-        # A prefill covers the whole sequence so far (a preempted request's outputs too): it
-        # samples its request's next token, step len(output_ids).
         batch = Batch(rows=_rows(reqs), starts=[r.cached_len for r in reqs],
                       ends=ends, params=[r.params for r in reqs],
                       steps=[len(r.output_ids) for r in reqs],
@@ -304,8 +260,6 @@ class Scheduler:
         return ScheduledBatch(batch, reqs, "prefill")
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        # A request whose last token is already launched has nothing left to decode; a
-        # suspect whose lone prefill is in flight waits for its result.
         reqs = [r for r in self._running_in_uid_order()
                 if r.device_len < r.max_len and not r.suspect]
         if not reqs:
@@ -338,10 +292,7 @@ class Scheduler:
         return events
 
     def process(self, scheduled: ScheduledBatch, tokens: list[int]) -> None:
-        """Hand each request its token, finish those that are done, free what may be freed.
-
-        Batches must be processed in launch order.
-        """
+        """Hand each request its token and finish those that are done; in launch order."""
         assert scheduled.seq == self._processed + 1, "batches processed out of order"
         self._processed = scheduled.seq
         self.round += 1
@@ -349,8 +300,7 @@ class Scheduler:
         self._release_deferred()
         batch = scheduled.batch
         for req, row, sampled, token in zip(scheduled.reqs, batch.rows, batch.sample, tokens):
-            # A mid-prompt chunk, a result nobody awaits, or one for a request preempted
-            # since (it holds another row now, or none).
+            # A mid-prompt chunk, or a result for a request finished or preempted since.
             if not sampled or req.finished or req.row != row:
                 continue
             if req.suspect:  # its lone batch sampled: it batches with the others again
@@ -378,8 +328,7 @@ class Scheduler:
         return [self.running[uid] for uid in sorted(self.running)]
 
     def _waiting_suspect(self) -> Req | None:
-        """The suspect to run next: one halfway through a chunked prefill (it holds a row),
-        else the first in the queue; None if every suspect is running."""
+        """The suspect to run next (a half-prefilled one first); None if all are running."""
         suspects = [r for r in self.waiting if r.suspect]
         return next((r for r in suspects if r.admitted), suspects[0] if suspects else None)
 
@@ -403,7 +352,7 @@ class Scheduler:
         return self.running.pop(uid, None)
 
     def _end(self, req: Req) -> None:
-        """Mark a request removed from the queues finished and free what it holds."""
+        """Finish a request removed from the queues and free what it holds."""
         req.finished = True
         req.suspect = False
         self._suspects.discard(req.uid)
@@ -411,7 +360,7 @@ class Scheduler:
             self._release(req, keep=False)
 
     def _reserved_pages(self) -> int:
-        # Called every round over every active request: plain arithmetic, no properties.
+        # Hot: plain arithmetic, no properties.
         size = self.runner.page_size
         active = list(self.running.values()) + [r for r in self.waiting if r.admitted]
         return sum((len(r.prompt_ids) + r.max_tokens + size - 1) // size - len(r.pages)
@@ -435,8 +384,7 @@ class Scheduler:
         self._deferred = waiting
 
     def abort_all(self) -> None:
-        """Drop every request after a failed round; launched batches count as done (the
-        caller waited for them to stop running)."""
+        """Drop every request after a failed round; launched batches count as done."""
         self._processed = self._launched
         for uid in [r.uid for r in self.waiting] + list(self.running):
             self.abort(uid, notify=False)
@@ -453,10 +401,8 @@ class Scheduler:
         return self.table.free_rows
 
     def check_invariants(self) -> None:
-        """Every page is free, cached or owned by exactly one active request; rows likewise.
-        Outside ``schedule`` no request is left with a claimed row, a request holds a row
-        exactly when its row state says so, and a prefix-cache lock exactly when it shares
-        pages."""
+        """Pages and rows are each free, cached or owned once; row states, prefix locks,
+        reservations and suspects agree with what requests hold."""
         active = list(self.running.values()) + [r for r in self.waiting if r.admitted]
         active += [req for _, req, _ in self._deferred]
         owned = sum(len(r.pages) - r.shared_pages for r in active)
@@ -474,6 +420,5 @@ class Scheduler:
 
 
 def _rows(reqs: list[Req]) -> list[int]:
-    """The rows of requests that hold one (those of a batch being built, say)."""
-    # Per request per round: the row states are checked where they change, not here.
+    """The rows of requests that hold one (unchecked: hot)."""
     return cast("list[int]", [r.row for r in reqs])
