@@ -1,8 +1,4 @@
-"""Prefix caches: what the KV manager needs of one, and the one that shares nothing.
-
-A cache adopts pages on ``insert`` and hands pages back from ``insert`` and ``evict``; it
-never frees any itself (the allocator stays with the KV manager).
-"""
+"""Prefix caches: what the KV manager needs of one, and the one that shares nothing."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ H = TypeVar("H")
 
 @frozen
 class PrefixMatch(Generic[H]):
-    """The longest cached prefix: its length in tokens, its pages in order, and the handle
-    that :meth:`PrefixCache.lock` and :meth:`PrefixCache.unlock` take to pin it."""
+    """The longest cached prefix: tokens, pages in order, and the handle that pins it."""
 
     num_tokens: int
     pages: list[int]
@@ -25,17 +20,14 @@ class PrefixMatch(Generic[H]):
 
 
 class PrefixCache(Protocol[H]):
-    """Finished sequences' KV pages that later requests match their tokens against.
-
-    Invariants: a locked prefix is never evicted; each lock is unlocked once; every choice
-    follows from the calls made alone, so every rank makes the same ones."""
+    """Finished sequences' pages, adopted on ``insert``, never freed by the cache itself.
+    Invariants: a locked prefix is never evicted; every choice follows from the calls alone."""
 
     shares: ClassVar[bool]
     """Whether a match can ever find anything (only then are lookups counted)."""
 
     @property
     def cached_pages(self) -> int:
-        """Pages the cache owns."""
         ...
 
     @property
@@ -53,18 +45,14 @@ class PrefixCache(Protocol[H]):
         ...
 
     def unlock(self, handle: H) -> None:
-        """Drop one lock taken by :meth:`lock`."""
         ...
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
-        """Offer the full pages of a finished sequence's computed ``tokens`` (``pages[i]``
-        holds positions ``[i * page_size, (i + 1) * page_size)``); return the pages the
-        cache does not keep, for the caller to free."""
+        """Offer the full pages of a finished sequence's ``tokens``; return those not kept."""
         ...
 
     def evict(self, num_pages: int) -> list[int]:
-        """Give back at least ``num_pages`` unlocked pages (fewer if fewer are evictable),
-        for the caller to free."""
+        """Give back at least ``num_pages`` unlocked pages (fewer if fewer are evictable)."""
         ...
 
 
@@ -80,21 +68,18 @@ class NaiveCache:
         self.page_size = page_size
 
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch[None]:
-        """Nothing: the empty prefix (one shared instance; its ``pages`` are never changed)."""
         return _NO_MATCH
 
     def lock(self, handle: None) -> None:
-        """Nothing to pin."""
+        pass
 
     def unlock(self, handle: None) -> None:
-        """Nothing to unpin."""
+        pass
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
-        """Keep nothing: every page goes back."""
         return list(pages)
 
     def evict(self, num_pages: int) -> list[int]:
-        """Nothing is cached, so nothing can be evicted."""
         return []
 
 

@@ -43,7 +43,6 @@ class RadixCache:
 
     @property
     def cached_pages(self) -> int:
-        """Pages the tree owns."""
         return self._cached
 
     @property
@@ -52,9 +51,7 @@ class RadixCache:
         return self._evictable
 
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch[Node]:
-        """Longest cached whole-page prefix of ``tokens``, leaving at least the last token out;
-        its handle is the last node of the path (the root when nothing matched)."""
-        # The caller must compute at least one token to get logits for the next one.
+        """Longest cached whole-page prefix, the last token left out; handle: its last node."""
         num_chunks = max(0, (len(tokens) - 1) // self.page_size)
         node, pages = self._walk(self._chunks(tokens, num_chunks))
         return PrefixMatch(len(pages) * self.page_size, pages, node)

@@ -1,9 +1,7 @@
 """The Policy protocol: a policy reads a SchedulerView and returns a Decision.
 
-A policy chooses what runs next; the scheduler carries it out (admission, chunking, pages).
-Contract: deterministic in the sequence of views. A decision may depend on every view shown
-so far (``served`` covers only the time since the previous one, so a fair-share policy keeps
-state), never on clocks, randomness, object ids or hash order; every rank decides alike.
+Contract: deterministic in the sequence of views (``served`` covers only the time since the
+previous view, so a fair-share policy keeps state); no clocks, randomness, ids or hash order.
 """
 
 from __future__ import annotations
@@ -91,10 +89,7 @@ class Decision:
 
 @runtime_checkable
 class Policy(Protocol):
-    """Chooses the next batch. Implement ``decide``; ``name`` shows in logs and metrics.
-
-    ``decide`` is called once per view, in order; the same views in the same order give
-    the same decisions."""
+    """Chooses the next batch; the same views in the same order give the same decisions."""
 
     name: str
 

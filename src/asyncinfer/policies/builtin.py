@@ -39,7 +39,6 @@ def _float_above(minimum: float, *, inclusive: bool) -> _Validator:
 
 
 def _as_float(value: Any) -> Any:
-    """Integers become floats; anything else is left to the validator."""
     return float(value) if _is_number(value) else value
 
 
@@ -56,15 +55,12 @@ def _fcfs(view: SchedulerView) -> Decision:
 
 @frozen
 class PrefillFirst:
-    """Prefill whenever anything waits, first come first served; decode otherwise.
-
-    Admission stops at a misfit, so nobody is overtaken."""
+    """Prefill whenever anything waits, first come first served; decode otherwise."""
 
     name = "prefill_first"
     options: ClassVar[dict[str, str]] = {}
 
     def decide(self, view: SchedulerView) -> Decision:
-        """Prefill FCFS if anything waits, else decode."""
         return _fcfs(view) if view.waiting else Decision.decode()
 
 
@@ -72,8 +68,7 @@ class PrefillFirst:
 class DecodeFirst:
     """Decode while anything runs; prefill FCFS when nothing runs or the cap is hit.
 
-    Fairness: at most ``max_decode_rounds`` decode rounds in a row while admissible work
-    waits."""
+    Fairness: at most ``max_decode_rounds`` decodes in a row while admissible work waits."""
 
     name = "decode_first"
     options: ClassVar[dict[str, str]] = {
@@ -117,7 +112,6 @@ class SkipAhead:
 
     @property
     def old_after(self) -> int:
-        """``ceil(threshold / aging)``."""
         return math.ceil(self.threshold / self.aging)
 
     def priority(self, req: WaitingRequest) -> float:
@@ -174,8 +168,7 @@ class Priority:
 
 def _preemptions(order: list[WaitingRequest], view: SchedulerView,
                  effective: Callable[[WaitingRequest], float], aging: float) -> tuple[int, ...]:
-    """Running requests to preempt, worst aged priority first, so the first candidates
-    of ``order`` (within the token budget) get a slot."""
+    """Running requests to preempt, worst first, so the first candidates get a slot."""
     def aged(r: RunningRequest) -> float:
         return r.priority - aging * (view.round - r.arrival_round)
 

@@ -23,8 +23,7 @@ PREFIX_CACHES: dict[str, Callable[[int], PrefixCache[Any]]] = {
 
 @define
 class PrefixCacheStats:
-    """Prefix-cache lookups for metrics: one per first admission; a hit found a token.
-    Only a cache that ``shares`` counts (with ``naive`` every count stays 0)."""
+    """Prefix-cache lookups, one per first admission, counted only by a cache that shares."""
 
     queries: int = 0
     hits: int = 0
@@ -32,7 +31,6 @@ class PrefixCacheStats:
     hit_tokens: int = 0
 
     def record(self, query_tokens: int, hit_tokens: int) -> None:
-        """Count one lookup."""
         self.queries += 1
         self.hits += int(hit_tokens > 0)
         self.query_tokens += query_tokens
@@ -59,11 +57,9 @@ class KVManager:
 
     @property
     def cached_pages(self) -> int:
-        """Pages owned by the prefix cache."""
         return self.prefix.cached_pages
 
     def pages_for(self, num_tokens: int) -> int:
-        """Pages that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.page_size)
 
     def pages_to_finish(self, req: Req) -> int:
@@ -72,7 +68,6 @@ class KVManager:
 
     def match(self, req: Req) -> None:
         """Attach the longest cached prefix of ``req``'s sequence to it and pin it."""
-        # Hot: a request with no outputs is looked up on its prompt, not on a copy.
         found = self.prefix.match_prefix(req.token_ids() if req.output_ids else req.prompt_ids)
         if found.pages:  # an empty prefix has no pages to pin
             self.prefix.lock(found.handle)

@@ -22,10 +22,8 @@ class RowState(Enum):
 class Req:
     """One request: its tokens, where its KV lives, and how far it has got.
 
-    Invariants: ``[0, cached_len)`` has KV computed or launched; ``device_len`` tokens are in
-    its token-pool row; the first ``shared_pages`` of ``pages`` are the prefix cache's, locked
-    by ``prefix_handle`` (None iff none); ``row`` is set iff ``row_state`` is HELD, and only
-    the methods below change it."""
+    Invariants: ``[0, cached_len)`` has KV computed or launched; the first ``shared_pages``
+    are the prefix cache's, locked by ``prefix_handle``; ``row`` is set iff HELD."""
 
     uid: int
     prompt_ids: list[int]
@@ -47,12 +45,10 @@ class Req:
 
     @property
     def prompt_len(self) -> int:
-        """Tokens in the prompt."""
         return len(self.prompt_ids)
 
     @property
     def seq_len(self) -> int:
-        """Tokens so far: prompt and output."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
@@ -71,7 +67,6 @@ class Req:
         return self.max_tokens - len(self.output_ids)
 
     def token_ids(self) -> list[int]:
-        """Prompt followed by output."""
         return self.prompt_ids + self.output_ids
 
     def claim_row(self) -> None:

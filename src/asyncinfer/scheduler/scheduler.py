@@ -1,7 +1,5 @@
-"""The scheduler: receive → select (by policy) → prepare → forward → process.
-
-See docs/architecture.md, 'Scheduler' and 'Failure isolation'.
-"""
+"""The scheduler: receive, select (by policy), prepare, forward, process.
+See docs/architecture.md, 'Scheduler'."""
 
 from __future__ import annotations
 
@@ -64,13 +62,9 @@ class Scheduler:
         self._events: list[Event] = []
         self._launched = 0                      # batches scheduled so far
         self._processed = 0                     # batches whose results were processed
-        # (batch seq, request, keep): released once that batch is processed.
-        self._deferred: list[tuple[int, Req, bool]] = []
+        self._deferred: list[tuple[int, Req, bool]] = []  # (batch seq, req, keep): to release
         self._suspects: set[int] = set()        # uids of suspects (see recover)
-        # Tokens served per tenant since the policy was last asked: [input, output].
-        self._served: dict[str, list[int]] = {}
-
-    # ---- receive -------------------------------------------------------------------------
+        self._served: dict[str, list[int]] = {}  # tenant -> [input, output] since the view
 
     def add_request(self, uid: int, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Queue a request; one that can never run finishes at once with an error event."""
@@ -94,8 +88,7 @@ class Scheduler:
         self.waiting.append(Req(uid, list(prompt_ids), params, max_tokens, self.round))
 
     def abort(self, uid: int, notify: bool = True) -> bool:
-        """Drop a request wherever it is and free what it holds; False if unknown.
-        ``notify``: report an "abort" event (False when the frontend ended it itself)."""
+        """Drop a request and free what it holds (``notify``: with an "abort" event)."""
         req = self._remove(uid)
         if req is None:
             return False
@@ -165,8 +158,6 @@ class Scheduler:
         """Batches launched whose results have not been processed yet."""
         return self._launched - self._processed
 
-    # ---- select and prepare ----------------------------------------------------------------
-
     def view(self) -> SchedulerView:
         """The read-only snapshot a policy decides from."""
         reserved = self._reserved_pages()
@@ -189,8 +180,7 @@ class Scheduler:
         )
 
     def schedule(self) -> ScheduledBatch | None:
-        """Ask the policy and build the batch it chose, else a decode; a waiting suspect
-        runs alone instead. None when nothing can run until a batch in flight is processed."""
+        """The policy's batch, else a decode (a waiting suspect runs alone), else None."""
         if not (self.waiting or self.running):
             return None
         suspect = self._waiting_suspect() if self._suspects else None
@@ -276,8 +266,6 @@ class Scheduler:
             req.device_len += 1
         return ScheduledBatch(batch, reqs, "decode")
 
-    # ---- forward and process ---------------------------------------------------------------
-
     def step(self) -> list[Event]:
         """One round without overlap: schedule, run the batch, process its results."""
         scheduled = self.schedule()
@@ -322,8 +310,6 @@ class Scheduler:
                 del self.running[req.uid]
                 self._release(req, keep=True)
 
-    # ---- bookkeeping -----------------------------------------------------------------------
-
     def _running_in_uid_order(self) -> list[Req]:
         return [self.running[uid] for uid in sorted(self.running)]
 
@@ -352,7 +338,6 @@ class Scheduler:
         return self.running.pop(uid, None)
 
     def _end(self, req: Req) -> None:
-        """Finish a request removed from the queues and free what it holds."""
         req.finished = True
         req.suspect = False
         self._suspects.discard(req.uid)
@@ -360,7 +345,6 @@ class Scheduler:
             self._release(req, keep=False)
 
     def _reserved_pages(self) -> int:
-        # Hot: plain arithmetic, no properties.
         size = self.runner.page_size
         active = list(self.running.values()) + [r for r in self.waiting if r.admitted]
         return sum((len(r.prompt_ids) + r.max_tokens + size - 1) // size - len(r.pages)
@@ -397,7 +381,6 @@ class Scheduler:
 
     @property
     def free_rows(self) -> list[int]:
-        """Table rows no request holds, lowest first."""
         return self.table.free_rows
 
     def check_invariants(self) -> None:

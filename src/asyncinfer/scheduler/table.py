@@ -15,7 +15,6 @@ class RowTable:
 
     @property
     def num_free(self) -> int:
-        """Rows nobody holds."""
         return len(self._free)
 
     @property
@@ -29,7 +28,6 @@ class RowTable:
         return self._free.pop(0)
 
     def release(self, row: int) -> None:
-        """Give ``row`` back."""
         at = bisect_left(self._free, row)
         assert 0 <= row < self.num_rows, f"row {row} is not in the table"
         assert at == len(self._free) or self._free[at] != row, f"row {row} released twice"

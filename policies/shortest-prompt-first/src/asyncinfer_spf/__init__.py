@@ -22,8 +22,7 @@ def _positive_int(policy: Any, attribute: Attribute[Any], value: Any) -> None:
 class ShortestPromptFirst:
     """Prefill the request with the least prompt left first; a long wait puts one in front.
 
-    Misfits are skipped, except that requests waiting ``max_wait_rounds`` go first in arrival
-    order and nothing passes them."""
+    Misfits are skipped; requests that waited ``max_wait_rounds`` go first and stop."""
 
     name = "shortest_prompt_first"
     options: ClassVar[dict[str, str]] = {

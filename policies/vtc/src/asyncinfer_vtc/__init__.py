@@ -1,5 +1,4 @@
-"""Per-tenant fair share: the Virtual Token Counter (Sheng et al., OSDI'24) as an asyncinfer
-policy, found through its entry point."""
+"""Per-tenant fair share: the Virtual Token Counter (Sheng et al., OSDI'24) as a policy."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def _positive_int(policy: Any, attribute: Attribute[Any], value: Any) -> None:
 
 
 def service_bound(w_in: float, w_out: float, max_input_len: int, kv_tokens: int) -> float:
-    """The paper's bound on the service gap of two tenants backlogged together:
-    ``2 * max(w_in * L_in, w_out * M)``, ``L_in`` the longest prompt, ``M`` the KV tokens."""
+    """The service gap bound of two tenants backlogged together (``M``: the KV tokens)."""
     return 2 * max(w_in * max_input_len, w_out * kv_tokens)
 
 
@@ -38,9 +36,8 @@ def service_bound(w_in: float, w_out: float, max_input_len: int, kv_tokens: int)
 class VTC:
     """Serve tenants in turn by the service they got: the lowest virtual counter goes next.
 
-    Counters grow by ``w_in`` per admitted prompt token and ``w_out`` per output token (from
-    ``SchedulerView.served``, so the policy keeps state); a tenant that starts waiting is
-    lifted to the lowest waiting counter. Bound: :func:`service_bound`. See the README."""
+    Counters, kept across views, grow by ``w_in`` per prompt and ``w_out`` per output token
+    served; a tenant that starts waiting is lifted to the lowest one waiting. See the README."""
 
     name: ClassVar[str] = "vtc"
     options: ClassVar[dict[str, str]] = {
