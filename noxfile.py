@@ -1,4 +1,5 @@
-"""Sessions: tests, lint, typecheck, package, bench (CPU) and gpu-tests (a CUDA machine)."""
+"""Sessions: tests, core (the scheduler's fast tests), lint, typecheck, package, bench (CPU)
+and gpu-tests (a CUDA machine)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,19 @@ def tests(session: nox.Session) -> None:
     _install(session, extras="test,bench")
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *PLUGIN_TESTS,
                 *session.posargs)
+
+
+# The scheduler's core in under a minute on two cores: no model is loaded.
+CORE_TESTS = ["tests/test_scheduler.py", "tests/test_policies.py", "tests/test_kvcache.py",
+              "tests/test_radix_cache.py", "tests/test_rank_determinism.py"]
+
+
+@nox.session(python="3.11")
+def core(session: nox.Session) -> None:
+    """Scheduler, policies (the plugins' too), KV cache, radix cache and rank determinism."""
+    _install(session)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
+                *CORE_TESTS, *PLUGIN_TESTS, *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -27,7 +27,7 @@ def next_token(sequence: Sequence[int], vocab: int, eos_every: int = 0) -> int:
 
 
 class FakeEngine:
-    """Implements the scheduler's Engine protocol in microseconds per batch."""
+    """Implements the scheduler's BatchRunner protocol in microseconds per batch."""
 
     def __init__(self, num_pages: int = 64, page_size: int = 4, max_rows: int = 8,
                  context_len: int = 256, vocab: int = 50, eos_every: int = 0) -> None:

@@ -1,6 +1,8 @@
-"""One scheduler replica fed a fixed message log; prints the batch sequence it produced.
+"""One scheduler replica per (policy, cache type) fed a fixed message log; prints the batch
+sequences they produced, as JSON keyed "policy/cache_type".
 
-Run as a subprocess by test_rank_determinism.py with different PYTHONHASHSEED values.
+Run as a subprocess by test_rank_determinism.py: ``python -m tests.rank_replica BALLAST
+POLICY...``, under different PYTHONHASHSEED values.
 """
 
 from __future__ import annotations
@@ -8,12 +10,15 @@ from __future__ import annotations
 import json
 import random
 import sys
+from typing import Any
 
 from asyncinfer.config import EngineConfig
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.registry import load_policy
 from asyncinfer.scheduler.scheduler import Scheduler
 from tests.fake_engine import EOS, FakeEngine
+
+CACHE_TYPES = ("radix", "naive")
 
 
 def message_log(seed: int) -> list[tuple[int, str, int, list[int], int]]:
@@ -29,10 +34,8 @@ def message_log(seed: int) -> list[tuple[int, str, int, list[int], int]]:
     return sorted(log, key=lambda m: (m[0], m[1], m[2]))
 
 
-def main() -> None:
-    policy_name, cache_type = sys.argv[1], sys.argv[2]
-    # Shift object addresses and hash-dependent state between replicas.
-    ballast = [object() for _ in range(int(sys.argv[3]))]
+def run(policy_name: str, cache_type: str) -> list[dict[str, Any]]:
+    """The batches one replica launches for the log, with their KV slots and events."""
     engine = FakeEngine(num_pages=48, page_size=4, max_rows=6, context_len=96, eos_every=11)
     config = EngineConfig(cache_type=cache_type, max_extend_tokens=32,  # type: ignore[arg-type]
                           chunked_prefill=True)
@@ -44,10 +47,10 @@ def main() -> None:
         while log and log[0][0] <= step:
             _, kind, uid, prompt, max_tokens = log.pop(0)
             if kind == "add":
-                # Priorities from the uid: the priority policy preempts, the others ignore it.
-                sched.add_request(uid, prompt, SamplingParams(max_tokens=max_tokens,
-                                                              temperature=0.0,
-                                                              priority=(uid * 7) % 4))
+                # Priorities and tenants from the uid: priority and vtc use them.
+                sched.add_request(uid, prompt, SamplingParams(
+                    max_tokens=max_tokens, temperature=0.0, priority=(uid * 7) % 4,
+                    tenant=str(uid % 3)))
             else:
                 sched.abort(uid)
         before = len(engine.batches)
@@ -62,8 +65,16 @@ def main() -> None:
                           "slots": slots, "events": [(e.uid, e.token, e.finish_reason)
                                                      for e in events]})
         step += 1
+    return trace
+
+
+def main() -> None:
+    # Shift object addresses and hash-dependent state between replicas.
+    ballast = [object() for _ in range(int(sys.argv[1]))]
+    traces = {f"{policy}/{cache}": run(policy, cache)
+              for policy in sys.argv[2:] for cache in CACHE_TYPES}
     del ballast
-    json.dump(trace, sys.stdout)
+    json.dump(traces, sys.stdout)
 
 
 if __name__ == "__main__":

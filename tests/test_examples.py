@@ -118,7 +118,7 @@ def test_example_policy_decides_by_output_budget_with_aging() -> None:
     def view(*waiting: tuple[int, int, int]) -> SchedulerView:  # (uid, max_tokens, waited)
         return SchedulerView(
             waiting=tuple(WaitingRequest(uid=u, prompt_len=10, prefill_remaining=10,
-                                         max_tokens=m, arrival_round=50 - w,
+                                         remaining_tokens=m, arrival_round=50 - w,
                                          waited_rounds=w, chunked=False)
                           for u, m, w in waiting),
             running=(), free_pages=64, free_slots=4, token_budget=512, page_size=16,

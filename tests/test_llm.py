@@ -60,7 +60,7 @@ def test_generate_is_token_exact_with_transformers(
     assert all(o.finish_reason == "length" for o in outputs)
     sched = llm.scheduler
     assert not sched.has_work
-    assert sched.cache.allocator.num_free + sched.cache.cached_pages == llm.runner.num_pages
+    assert sched.kv.allocator.num_free + sched.kv.cached_pages == llm.runner.num_pages
 
 
 def test_qwen3_through_the_scheduler_is_token_exact(tiny_qwen3_dir: Path) -> None:

@@ -35,10 +35,10 @@ BUILTINS = {"prefill_first": PrefillFirst, "decode_first": DecodeFirst, "skip_ah
 
 
 def waiting(uid: int, prefill: int = 100, waited: int = 0, chunked: bool = False,
-            max_tokens: int = 16) -> WaitingRequest:
+            remaining_tokens: int = 16) -> WaitingRequest:
     """A waiting request; ``prefill`` tokens left, arrived ``waited`` rounds before round 100."""
     return WaitingRequest(uid=uid, prompt_len=prefill, prefill_remaining=prefill,
-                          max_tokens=max_tokens, arrival_round=100 - waited,
+                          remaining_tokens=remaining_tokens, arrival_round=100 - waited,
                           waited_rounds=waited, chunked=chunked)
 
 
@@ -177,7 +177,7 @@ def view_fields(draw: st.DrawFn) -> dict[str, Any]:
         prompt_len = draw(st.integers(1, 2000))
         wait.append(dict(uid=uid, prompt_len=prompt_len,
                          prefill_remaining=draw(st.integers(1, prompt_len)),
-                         max_tokens=draw(st.integers(1, 500)),
+                         remaining_tokens=draw(st.integers(1, 500)),
                          arrival_round=draw(st.integers(0, 300)),
                          waited_rounds=draw(st.integers(0, 300)), chunked=draw(st.booleans())))
     run = draw(st.lists(st.integers(51, 99), max_size=6, unique=True))

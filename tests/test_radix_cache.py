@@ -1,19 +1,23 @@
 """The radix cache maps each cached whole-page prefix to the pages first stored for it,
 conserves pages with the allocator, never evicts a locked path, and decides the same way
 every time. The naive cache shares nothing and keeps nothing; both are the prefix caches the
-cache manager picks by name."""
+KV manager picks by name."""
 
 from __future__ import annotations
 
+from typing import get_args
+
+import pytest
 from attrs import define
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from asyncinfer.config import CacheType
 from asyncinfer.kvcache.pool import PageAllocator
 from asyncinfer.kvcache.prefix import NaiveCache, PrefixCache, PrefixMatch
 from asyncinfer.kvcache.radix import Chunk, Node, RadixCache
-from asyncinfer.scheduler.cache import PREFIX_CACHES
+from asyncinfer.scheduler.kv_manager import PREFIX_CACHES
 
 
 def cached_prefixes(cache: RadixCache) -> dict[tuple[Chunk, ...], int]:
@@ -255,10 +259,14 @@ def test_naive_cache_matches_nothing_and_returns_every_page() -> None:
     assert cache.cached_pages == cache.evictable_pages == 0
 
 
-def test_the_registry_names_both_caches_and_only_radix_shares() -> None:
-    caches: dict[str, PrefixCache[object]] = {
-        name: make(4) for name, make in PREFIX_CACHES.items()}
-    assert {name: type(cache) for name, cache in caches.items()} == {
-        "naive": NaiveCache, "radix": RadixCache}
-    assert {name: cache.shares for name, cache in caches.items()} == {
-        "naive": False, "radix": True}
+@pytest.mark.parametrize("name", get_args(CacheType))
+def test_each_cache_type_shares_a_finished_prefix_exactly_when_it_says_so(name: str) -> None:
+    """Every ``cache_type`` the config offers names a cache; one that ``shares`` hands a
+    later request the pages of a finished one's prefix, and one that does not keeps none."""
+    cache: PrefixCache[object] = PREFIX_CACHES[name](2)
+    returned = cache.insert([1, 2, 3, 4, 5], [10, 11, 12])
+    found = cache.match_prefix([1, 2, 3, 4, 9]).pages
+    if cache.shares:
+        assert (found, returned, cache.cached_pages) == ([10, 11], [12], 2)
+    else:
+        assert (found, sorted(returned), cache.cached_pages) == ([], [10, 11, 12], 0)

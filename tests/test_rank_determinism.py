@@ -8,25 +8,37 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from asyncinfer.policies.registry import available_policies
+from tests.rank_replica import CACHE_TYPES
+
 ROOT = Path(__file__).resolve().parent.parent
+# vtc (a plugin, when installed) keeps state across views: the contract is per sequence.
+POLICIES = ["prefill_first", "decode_first", "skip_ahead", "priority"] + (
+    ["vtc"] if "vtc" in available_policies() else [])
+CASES = [f"{policy}/{cache}" for policy in POLICIES for cache in CACHE_TYPES]
 
 
-def replica(policy: str, cache_type: str, hash_seed: str, ballast: int) -> list[dict]:  # type: ignore[type-arg]
-    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "tests.rank_replica", policy, cache_type,
-                          str(ballast)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout)  # type: ignore[no-any-return]
+@pytest.fixture(scope="module")
+def replicas() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two replicas of every case, run at once: hash seeds 0 and 4242, different ballast."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.rank_replica", ballast, *POLICIES],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": path})
+             for seed, ballast in (("0", "0"), ("4242", "10007"))]
+    outs = [proc.communicate()[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0]
+    return json.loads(outs[0]), json.loads(outs[1])
 
 
-@pytest.mark.parametrize("policy", ["prefill_first", "decode_first", "skip_ahead", "priority"])
-@pytest.mark.parametrize("cache_type", ["radix", "naive"])
-def test_replicas_schedule_identical_batches(policy: str, cache_type: str) -> None:
-    first = replica(policy, cache_type, hash_seed="0", ballast=0)
-    second = replica(policy, cache_type, hash_seed="4242", ballast=10007)
+@pytest.mark.parametrize("case", CASES)
+def test_replicas_schedule_identical_batches(
+        replicas: tuple[dict[str, Any], dict[str, Any]], case: str) -> None:
+    first, second = replicas[0][case], replicas[1][case]
     assert len(first) > 50
     assert any(len(b["uids"]) > 1 for b in first)
     assert first == second

@@ -1,5 +1,5 @@
 """The scheduler under random arrivals, lengths, aborts, preemptions and failed batches,
-driven with a fake engine.
+driven with a fake engine whose KV pool runs short.
 
 For every built-in policy and both cache types: budgets are never exceeded, pages are
 conserved after every step, finished and aborted requests hold nothing, every request
@@ -37,7 +37,11 @@ from tests.fake_engine import EOS, FakeEngine, reference_output
 
 PREFIXES = [[], [5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23, 24, 25]]
 BUDGET = 24
-MAX_TOKENS = 12
+MAX_TOKENS = 24
+CONTEXT = 64        # the longest prompt (40) plus MAX_TOKENS: nothing is clamped
+# KV pressure: the pool holds one longest request, or three short ones, never four rows'
+# worth; admission must hold back pages for what running requests may still produce.
+POOL_TOKENS = 64
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -52,10 +56,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         # With overlap, batch N+1 is scheduled (and computed) before N's results are seen.
         self.overlap = overlap
         self.inflight: tuple[ScheduledBatch, list[int]] | None = None
-        self.engine = FakeEngine(num_pages=160 // page_size, page_size=page_size, max_rows=4,
-                                 context_len=64, eos_every=13)
+        self.engine = FakeEngine(num_pages=POOL_TOKENS // page_size, page_size=page_size,
+                                 max_rows=4, context_len=CONTEXT, eos_every=13)
         self.config = EngineConfig(cache_type=cache_type,  # type: ignore[arg-type]
-                                   max_extend_tokens=BUDGET if chunked else 64,
+                                   max_extend_tokens=BUDGET if chunked else CONTEXT,
                                    chunked_prefill=chunked)
         self.sched = Scheduler(self.engine, self.policy, self.config, frozenset({EOS}))
         self.next_uid = 0
@@ -199,7 +203,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.step()
         assert not self.sched.has_work, "requests left unfinished"
         self.sched.check_invariants()
-        assert self.sched.cache.allocator.num_free + self.sched.cache.cached_pages == (
+        assert self.sched.kv.allocator.num_free + self.sched.kv.cached_pages == (
             self.engine.num_pages)
         assert len(self.sched.free_rows) == self.engine.max_rows
         assert set(self.finished) == set(self.expected), "a request never finished"
@@ -208,7 +212,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert self.outputs[uid] == self.expected[uid], f"request {uid} output differs"
         # Preempted requests jump the queue, and suspects the policy: no bound holds then.
         if isinstance(self.policy, SkipAhead) and not self.disturbed:
-            chunks = math.ceil(64 / BUDGET)
+            chunks = math.ceil(CONTEXT / BUDGET)
             for uid, admitted in self.admitted.items():
                 bound = self.policy.old_after + (self.unfinished_before[uid] + 1) * (
                     MAX_TOKENS + chunks + 1)
@@ -223,7 +227,9 @@ def _machine(policy: Policy) -> type[SchedulerMachine]:
     return type(f"Machine_{policy.name}", (SchedulerMachine,), {"policy": policy})
 
 
+# Derandomized: the same examples every run, so its time and its verdict do not vary.
 SETTINGS = settings(max_examples=40, stateful_step_count=60, deadline=None,
+                    derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -236,6 +242,28 @@ def test_scheduler_invariants_hold_under_random_traffic(policy: Policy) -> None:
     machine = _machine(policy)
     machine.TestCase.settings = SETTINGS
     machine.TestCase().runTest()
+
+
+def test_a_request_waits_for_the_pages_running_requests_may_still_need() -> None:
+    """Two requests that each may grow to 12 of the pool's 16 pages: the second is held back
+    until the first has finished, though its prompt fits at once, and neither runs dry."""
+    engine = FakeEngine(num_pages=16, page_size=4, max_rows=4, context_len=64)
+    sched = Scheduler(engine, PrefillFirst(), EngineConfig(cache_type="naive"), frozenset())
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+    for uid, prompt in enumerate(prompts):
+        sched.add_request(uid, prompt, SamplingParams(max_tokens=40, temperature=0.0))
+    outputs: dict[int, list[int]] = {0: [], 1: []}
+    order: list[tuple[int, bool]] = []          # (uid, finished) per event
+    while sched.has_work:
+        for event in sched.step():
+            if event.token is not None:
+                outputs[event.uid].append(event.token)
+            order.append((event.uid, event.finished))
+    first_of_1 = order.index((1, False))
+    assert order[first_of_1 - 1] == (0, True), "admitted only once the first had finished"
+    for uid, prompt in enumerate(prompts):
+        assert outputs[uid] == reference_output(prompt, 40, engine.vocab), uid
+    sched.check_invariants()
 
 
 class _DecodeOnly:
@@ -291,7 +319,7 @@ def test_prefix_lookups_are_counted_only_by_a_cache_that_shares(cache_type: str)
         sched.add_request(uid, prompt, SamplingParams(max_tokens=2, temperature=0.0))
         while sched.has_work:
             sched.step()
-    stats = sched.cache.stats
+    stats = sched.kv.stats
     counts = (stats.queries, stats.hits, stats.query_tokens, stats.hit_tokens)
     assert counts == ((2, 1, 26, 12) if cache_type == "radix" else (0, 0, 0, 0))
     sched.check_invariants()
@@ -322,7 +350,7 @@ def test_a_high_priority_request_preempts_its_way_in_and_the_preempted_lose_noth
     step()
     assert sched.last_decision is not None and sched.last_decision.preempt == (0,)
     assert 2 in sched.running and 0 not in sched.running, "admitted in the next round"
-    assert sched.cache.cached_pages >= len(low[0]) // 4, "its full pages stayed cached"
+    assert sched.kv.cached_pages >= len(low[0]) // 4, "its full pages stayed cached"
     for _ in range(200):
         if not sched.has_work:
             break

@@ -305,7 +305,7 @@ class Coordinator:
         and KV slots (ranks with the same requests on different pages would each attend to
         what the other wrote), what it samples, and the tokens the previous batch sampled."""
         b = scheduled.batch
-        table = self.scheduler.engine.page_table
+        table = self.scheduler.runner.page_table
         return {"phase": scheduled.phase, "requests": [r.uid for r in scheduled.reqs],
                 "rows": b.rows, "starts": b.starts, "ends": b.ends, "sample": b.sample,
                 "slots": [table[row, s:e].tolist() for row, s, e in zip(b.rows, b.starts,
@@ -385,12 +385,12 @@ class Coordinator:
     def stats(self) -> dict[str, Any]:
         """The fields of ``outputs.EngineStats``; adds not yet applied count as waiting."""
         sched = self.scheduler
-        total = sched.engine.num_pages
-        prefix = sched.cache.stats
+        total = sched.runner.num_pages
+        prefix = sched.kv.stats
         return {"waiting": len(sched.waiting) + self._queued_adds,
                 "running": len(sched.running),
                 "kv_pages_total": total,
-                "kv_pages_used": total - sched.cache.allocator.num_free - sched.cache.cached_pages,
+                "kv_pages_used": total - sched.kv.allocator.num_free - sched.kv.cached_pages,
                 "batches_prefill": self.batches["prefill"],
                 "batches_decode": self.batches["decode"],
                 "prefix_cache_queries": prefix.queries, "prefix_cache_hits": prefix.hits,

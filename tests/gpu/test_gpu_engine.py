@@ -53,7 +53,7 @@ def assert_nothing_held(llm: LLM) -> None:
     sched = llm.scheduler
     sched.check_invariants()
     assert not sched.running and not sched.waiting
-    assert sched.cache.allocator.num_free + sched.cache.cached_pages == llm.runner.num_pages
+    assert sched.kv.allocator.num_free + sched.kv.cached_pages == llm.runner.num_pages
     assert len(sched.free_rows) == llm.runner.max_rows
 
 

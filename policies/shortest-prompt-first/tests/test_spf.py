@@ -26,7 +26,7 @@ from asyncinfer.policies.registry import available_policies, describe_policies
 
 def waiting(uid: int, prefill: int, waited: int = 0) -> WaitingRequest:
     return WaitingRequest(uid=uid, prompt_len=prefill, prefill_remaining=prefill,
-                          max_tokens=16, arrival_round=100 - waited, waited_rounds=waited,
+                          remaining_tokens=16, arrival_round=100 - waited, waited_rounds=waited,
                           chunked=False)
 
 

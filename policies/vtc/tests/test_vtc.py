@@ -34,7 +34,7 @@ from asyncinfer.scheduler.scheduler import Scheduler
 def waiting(uid: int, tenant: str, prompt: int = 10, *, chunked: bool = False
             ) -> WaitingRequest:
     return WaitingRequest(uid=uid, prompt_len=prompt, prefill_remaining=prompt,
-                          max_tokens=16, arrival_round=0, waited_rounds=0, chunked=chunked,
+                          remaining_tokens=16, arrival_round=0, waited_rounds=0, chunked=chunked,
                           tenant=tenant)
 
 
@@ -84,9 +84,18 @@ def test_after_an_idle_spell_a_tenant_starts_at_the_last_floor() -> None:
     assert vtc.counter("new") == 70
 
 
-def test_candidates_stop_at_what_the_free_slots_can_take() -> None:
-    wait = [waiting(i, "abc"[i % 3]) for i in range(30)]
-    assert len(VTC().decide(view(*wait, free_slots=4)).candidates) == 5
+def test_a_prefill_fills_the_free_slots_in_turn_without_listing_the_whole_queue() -> None:
+    """Ten requests each from a, b, then c arrive together at four free rows: the rows go
+    to a, b, c, then a again, and the candidates stop well short of the queue."""
+    tenant = [("a", "b", "c")[i // 10] for i in range(30)]
+    candidates = VTC().decide(view(*(waiting(i, tenant[i]) for i in range(30)),
+                                   free_slots=4)).candidates
+    assert candidates[:4] == (0, 10, 20, 1) and len(candidates) < 30
+    sched = Scheduler(FakeEngine(num_pages=64, page_size=4, max_rows=4), VTC(), EngineConfig())
+    for i in range(30):
+        sched.add_request(i, [i + 1] * 10, SamplingParams(max_tokens=4, tenant=tenant[i]))
+    sched.step()
+    assert sorted(sched.running) == [0, 1, 10, 20]
 
 
 def test_nothing_waiting_decodes() -> None:

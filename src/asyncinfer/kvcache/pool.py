@@ -8,8 +8,7 @@ from asyncinfer.memory import empty_huge
 
 
 class KVPool:
-    """K and V for every layer, as ``num_pages * page_size`` token slots of
-    ``[kv_heads, head_dim]``; a token's slot is ``page * page_size + offset``."""
+    """K and V of every layer; a token's slot is ``page * page_size + offset``."""
 
     def __init__(
         self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -28,9 +27,8 @@ class KVPool:
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write the K and V of new tokens into their slots of one layer's caches
-    [slots, kv_heads, dim], widening them if the pool is (the model does it, fused with the
-    kernel that produces them: layers.fused.qk_norm_rope_store)."""
+    """Write new tokens' K and V into their slots of one layer's caches (the fused path is
+    layers.fused.qk_norm_rope_store)."""
     k_cache[slots] = k.to(k_cache.dtype)
     v_cache[slots] = v.to(v_cache.dtype)
 
@@ -44,7 +42,6 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        """Pages not owned by anyone."""
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
@@ -57,7 +54,6 @@ class PageAllocator:
         return pages
 
     def free(self, pages: list[int]) -> None:
-        """Give pages back."""
         self._free.extend(sorted(pages, reverse=True))
         self._free.sort(reverse=True)
         assert len(self._free) <= self.num_pages, "a page was freed twice"

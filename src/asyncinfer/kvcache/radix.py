@@ -27,12 +27,8 @@ class Node:
 
 
 class RadixCache:
-    """Prefix tree whose nodes own KV pages: it adopts pages on insert, hands them back on evict.
-
-    A ``kvcache.prefix.PrefixCache`` whose handles are nodes: a match's handle is the deepest
-    node of the matched path, and locking it pins the path. Every order (children, LRU ties)
-    comes from counters, so every rank makes the same choices.
-    """
+    """A ``PrefixCache`` over a tree whose nodes own pages; a handle is the deepest matched
+    node and locks its path. Every order comes from counters, the same on every rank."""
 
     shares: ClassVar[bool] = True
 
@@ -47,7 +43,6 @@ class RadixCache:
 
     @property
     def cached_pages(self) -> int:
-        """Pages the tree owns."""
         return self._cached
 
     @property
@@ -56,18 +51,13 @@ class RadixCache:
         return self._evictable
 
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch[Node]:
-        """Longest cached whole-page prefix of ``tokens``, leaving at least the last token out;
-        its handle is the last node of the path (the root when nothing matched)."""
-        # The caller must compute at least one token to get logits for the next one.
+        """Longest cached whole-page prefix, the last token left out; handle: its last node."""
         num_chunks = max(0, (len(tokens) - 1) // self.page_size)
         node, pages = self._walk(self._chunks(tokens, num_chunks))
         return PrefixMatch(len(pages) * self.page_size, pages, node)
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
-        """Cache the full pages of ``tokens`` (``pages[i]`` holds chunk ``i``).
-
-        Returns the pages the caller must free: copies of chunks already cached, and the tail.
-        """
+        """Cache the full pages of ``tokens``; return the pages to free (copies, the tail)."""
         num_chunks = len(tokens) // self.page_size
         assert len(pages) >= num_chunks, f"{len(tokens)} tokens need {num_chunks} pages"
         chunks = self._chunks(tokens, num_chunks)
@@ -128,10 +118,7 @@ class RadixCache:
         return [tuple(tokens[i * size : (i + 1) * size]) for i in range(num_chunks)]
 
     def _walk(self, chunks: list[Chunk]) -> tuple[Node, list[int]]:
-        """Follow ``chunks`` down as far as they are cached, splitting the edge where they stop.
-
-        Touches every node on the path; returns the deepest one and the pages of the path.
-        """
+        """Follow and touch ``chunks`` as far as cached, splitting the edge where they stop."""
         self._clock += 1
         node, pages, i = self.root, [], 0
         node.last_access = self._clock
@@ -145,11 +132,8 @@ class RadixCache:
         return node, pages
 
     def _split(self, node: Node, at: int) -> Node:
-        """Cut ``node``'s edge after ``at`` chunks; the new upper part becomes its parent.
-
-        ``node`` keeps its identity (and its deeper end), so a holder of its lock still
-        unlocks the whole path; the upper part inherits its references.
-        """
+        """Cut ``node``'s edge after ``at`` chunks into a new parent that inherits its
+        references; ``node`` stays the handle of its lock holders."""
         parent = node.parent
         assert parent is not None and 0 < at < len(node.chunks)
         upper = self._new_node(node.chunks[:at], node.pages[:at], parent)

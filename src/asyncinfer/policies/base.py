@@ -1,8 +1,7 @@
 """The Policy protocol: a policy reads a SchedulerView and returns a Decision.
 
-A policy chooses what runs next; the scheduler carries the choice out (admission control,
-chunking, page allocation). Policies must be deterministic: no clocks, randomness, object ids
-or hash order. Same view in, same decision out, on every rank.
+Contract: deterministic in the sequence of views (``served`` covers only the time since the
+previous view, so a fair-share policy keeps state); no clocks, randomness, ids or hash order.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ class WaitingRequest:
     uid: int
     prompt_len: int             # tokens to prefill: the prompt (and a preempted one's outputs)
     prefill_remaining: int      # of those, still to compute (before prefix matching)
-    max_tokens: int             # output tokens it may still produce
+    remaining_tokens: int       # output tokens it may still produce
     arrival_round: int          # the scheduler round in which it arrived
     waited_rounds: int          # rounds since arrival
     chunked: bool               # part of its prompt is computed already (chunked prefill)
@@ -42,12 +41,8 @@ class RunningRequest:
 
 @frozen
 class TenantService:
-    """Tokens served to one tenant since the policy was last asked.
-
-    A request's prompt counts once, in full, in the round it is first admitted (a preempted
-    request's recompute is not counted again); each output token counts in the round its
-    result is processed. Summed over views, that is everything the tenant was served.
-    """
+    """Tokens served to one tenant since the previous view: a prompt once, at its first
+    admission; an output token when processed. Summed over views, all it was served."""
 
     tenant: str
     input_tokens: int
@@ -66,21 +61,14 @@ class SchedulerView:
     page_size: int
     round: int                             # logical clock: batches run so far
     decode_streak: int                     # decode rounds in a row just before this one
-    served: tuple[TenantService, ...] = ()  # since the last decision, by tenant name
+    served: tuple[TenantService, ...] = ()  # since the previous view, by tenant name
 
 
 @frozen
 class Decision:
-    """Decode the running set, or prefill from ``candidates`` (uids, in this order).
-
-    With ``on_misfit="stop"`` admission ends at the first candidate that does not fit;
-    with ``"skip"`` that candidate is passed over and the next one is tried. If a prefill
-    admits nothing, the scheduler decodes instead (when anything is running).
-
-    ``preempt`` names running requests to send back to the waiting queue before admission:
-    their rows and pages are freed (the prefix cache keeps their computed full pages), and
-    they continue later where they stopped, with the same tokens.
-    """
+    """Decode the running set, or prefill from ``candidates`` (uids, in order), stopping at
+    or skipping a misfit (``on_misfit``); a prefill that admits nothing decodes instead.
+    ``preempt``: running requests to re-queue first; they resume with the same tokens."""
 
     action: Literal["prefill", "decode"]
     candidates: tuple[int, ...] = field(default=(), converter=tuple)
@@ -101,7 +89,7 @@ class Decision:
 
 @runtime_checkable
 class Policy(Protocol):
-    """Chooses the next batch. Implement ``decide``; ``name`` shows in logs and metrics."""
+    """Chooses the next batch; the same views in the same order give the same decisions."""
 
     name: str
 

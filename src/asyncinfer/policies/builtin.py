@@ -1,8 +1,4 @@
-"""The built-in policies: prefill_first, decode_first and skip_ahead.
-
-They are registered in the ``asyncinfer.policies`` entry-point group of pyproject.toml and
-loaded through it, exactly like a third-party policy.
-"""
+"""The built-in policies, registered through entry points like a third-party policy's."""
 
 from __future__ import annotations
 
@@ -19,7 +15,6 @@ _Validator = Callable[[Any, "Attribute[Any]", Any], None]
 
 
 def _is_number(value: Any) -> bool:
-    # bool is an int subclass, but `aging=true` is a typo, not a number.
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -44,15 +39,12 @@ def _float_above(minimum: float, *, inclusive: bool) -> _Validator:
 
 
 def _as_float(value: Any) -> Any:
-    """Integers become floats (``aging=1`` from the command line); anything else is left
-    for the validator to judge."""
     return float(value) if _is_number(value) else value
 
 
 def _by(view: SchedulerView, key: Callable[[WaitingRequest], float]
         ) -> list[WaitingRequest]:
-    """The waiting requests by ``key``, lowest first; ties in arrival order (a request's
-    position in ``view.waiting``), the tie-break every rank agrees on."""
+    """The waiting requests by ``key``, lowest first; ties in arrival order."""
     return [req for _, req in sorted(enumerate(view.waiting),
                                      key=lambda item: (key(item[1]), item[0]))]
 
@@ -63,34 +55,20 @@ def _fcfs(view: SchedulerView) -> Decision:
 
 @frozen
 class PrefillFirst:
-    """Prefill whenever anything waits, first come first served; decode otherwise.
-
-    The seed's rule. Candidates are every waiting request in arrival order, and admission
-    stops at the first one that does not fit. No options.
-
-    Fairness: each prefill admits a prefix of the waiting queue in arrival order, so a
-    request is never overtaken; it waits only for the requests that arrived before it.
-    """
+    """Prefill whenever anything waits, first come first served; decode otherwise."""
 
     name = "prefill_first"
     options: ClassVar[dict[str, str]] = {}
 
     def decide(self, view: SchedulerView) -> Decision:
-        """Prefill FCFS if anything waits, else decode."""
         return _fcfs(view) if view.waiting else Decision.decode()
 
 
 @frozen
 class DecodeFirst:
-    """Decode while anything runs, prefilling FCFS only when nothing runs or the cap is hit.
+    """Decode while anything runs; prefill FCFS when nothing runs or the cap is hit.
 
-    Option ``max_decode_rounds`` (integer >= 1, default 4): once that many decode rounds
-    have run in a row while a request waits, the next round prefills (FCFS, stop at the
-    first that does not fit).
-
-    Fairness: never more than ``max_decode_rounds`` decode rounds in a row while admissible
-    prefill work waits.
-    """
+    Fairness: at most ``max_decode_rounds`` decodes in a row while admissible work waits."""
 
     name = "decode_first"
     options: ClassVar[dict[str, str]] = {
@@ -112,27 +90,9 @@ class DecodeFirst:
 class SkipAhead:
     """Smaller requests may pass a blocked one; waiting raises priority so nothing starves.
 
-    A waiting request's priority is ``aging * waited_rounds - prefill_remaining``: older and
-    smaller first, ties by arrival order. A request is *old* once
-    ``aging * waited_rounds >= threshold``, that is after ``old_after = ceil(threshold /
-    aging)`` rounds of waiting. While no request is old, the candidates are every waiting
-    request by priority and one that does not fit is skipped. Once any request is old, the
-    old ones come first in arrival order, then the rest by priority, and admission stops at
-    the first that does not fit: nothing overtakes an old request until it runs. It prefills
-    whenever anything waits, like prefill_first (the scheduler decodes when a prefill admits
-    nothing).
-
-    Options: ``aging`` (> 0, default 1.0), priority gained per round of waiting;
-    ``threshold`` (>= 0, default 64.0), the aged priority at which a request becomes old.
-    ``threshold=0`` makes every request old at once: first come first served.
-
-    Fairness, the bound: a request that fits in an empty engine becomes old after at most
-    ``ceil(threshold / aging)`` rounds of waiting; from then on only requests older than it
-    can be admitted before it, so it is admitted within
-    ``ceil(threshold / aging) + (A + 1) * (D + C + 1)`` rounds of its arrival, where A is the
-    number of requests that arrived before it and are still unfinished, D the largest
-    max_tokens, and C the most prefill chunks one request needs.
-    """
+    Bound: admitted within ``old_after + (A + 1) * (D + C + 1)`` rounds of arrival (A
+    unfinished earlier arrivals, D the largest max_tokens, C the most chunks of one request).
+    See docs/architecture.md, 'Policies'."""
 
     name = "skip_ahead"
     options: ClassVar[dict[str, str]] = {
@@ -152,7 +112,6 @@ class SkipAhead:
 
     @property
     def old_after(self) -> int:
-        """Rounds of waiting after which a request is old: ``ceil(threshold / aging)``."""
         return math.ceil(self.threshold / self.aging)
 
     def priority(self, req: WaitingRequest) -> float:
@@ -164,7 +123,6 @@ class SkipAhead:
         if not view.waiting:
             return Decision.decode()
         by_priority = _by(view, lambda req: -self.priority(req))
-        # Compared in whole rounds, so "old" is exactly the documented old_after.
         old = [req for req in view.waiting if req.waited_rounds >= self.old_after]
         if not old:
             return Decision.prefill((req.uid for req in by_priority), "skip")
@@ -176,30 +134,8 @@ class SkipAhead:
 class Priority:
     """By request priority (lower first), aged; a misfit preempts worse-priority requests.
 
-    The request's ``priority`` is SamplingParams' (and the OpenAI body's, as vLLM's).
-
-    Order: a waiting request's effective priority is ``priority - aging * waited_rounds``;
-    candidates go lowest first (ties by arrival), and admission stops at the first that does
-    not fit, so nothing overtakes it. Preemption (option ``preempt``, on by default): when
-    the first candidates lack a request slot, running requests worse than the candidate
-    both in priority and in effective priority (aged the same way, from their arrival) are
-    named in the Decision, the worst effective priority first; the scheduler sends them back
-    to the queue (their computed pages stay in the prefix cache) and they later continue
-    where they stopped, with the tokens they would have produced anyway. Equal priorities
-    never preempt each other, and since effective priorities keep their order as rounds
-    pass (all age alike), a request never preempts one that preempted it: requests cannot
-    take turns evicting each other, and the best-ordered request always finishes. It
-    prefills whenever anything waits, like prefill_first.
-
-    Options: ``aging`` (>= 0, default 0.0625: one priority level per 16 rounds of waiting);
-    ``preempt`` (default true).
-
-    Bounds: a request of priority p that arrives while a running request has a priority
-    worse than p is admitted in the next round, if preempting the worse ones makes room for
-    its first chunk. With ``aging > 0`` it is ordered ahead of every request that arrives
-    more than ``(p - q) / aging`` rounds after it (q the best priority among those), so a
-    stream of better-priority arrivals can delay it, not starve it.
-    """
+    Bound: one arriving while a worse one runs is admitted next round, if that makes room.
+    See docs/architecture.md, 'Policies'."""
 
     name = "priority"
     options: ClassVar[dict[str, str]] = {
@@ -232,10 +168,7 @@ class Priority:
 
 def _preemptions(order: list[WaitingRequest], view: SchedulerView,
                  effective: Callable[[WaitingRequest], float], aging: float) -> tuple[int, ...]:
-    """The running requests to preempt so the first candidates of ``order`` get a request
-    slot: for each candidate in turn (within a round's token budget), while no slot is free,
-    the running request of the worst effective priority among those worse than the
-    candidate in both priority and effective priority."""
+    """Running requests to preempt, worst first, so the first candidates get a slot."""
     def aged(r: RunningRequest) -> float:
         return r.priority - aging * (view.round - r.arrival_round)
 
@@ -251,8 +184,7 @@ def _preemptions(order: list[WaitingRequest], view: SchedulerView,
         chunk = min(req.prefill_remaining, budget)
         need = -(-(chunk + 1) // view.page_size)
         mine = effective(req)
-        # Only a missing slot preempts: pages the scheduler may still hold back for running
-        # requests are not the policy's to count, and preempting for them could cycle.
+        # Only a missing slot preempts: preempting for reserved pages could cycle.
         while slots < 1:
             victim = next((r for r in pool if r.priority > req.priority and aged(r) > mine),
                           None)
@@ -263,6 +195,6 @@ def _preemptions(order: list[WaitingRequest], view: SchedulerView,
             slots += 1
             pages += -(-victim.seq_len // view.page_size)
         if slots < 1 or pages < need:
-            break  # it does not fit even so: admission stops here
+            break  # admission stops here
         slots, pages, budget = slots - 1, pages - need, budget - chunk
     return tuple(chosen)

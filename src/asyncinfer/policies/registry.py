@@ -1,10 +1,5 @@
-"""Finding and building policies through the ``asyncinfer.policies`` entry-point group.
-
-Each entry point maps a policy name to a factory (usually the policy class) called with the
-user's options as keyword arguments. The built-ins are registered the same way, in
-asyncinfer's own pyproject.toml. A factory should raise ConfigError naming a bad option;
-a TypeError or ValueError it raises is turned into one here.
-"""
+"""Policies by name from the ``asyncinfer.policies`` entry points: a factory called with
+the user's options (its TypeError or ValueError becomes a ConfigError)."""
 
 from __future__ import annotations
 
@@ -75,10 +70,7 @@ def _checked(policy: Any, label: str) -> Policy:
 
 
 def parse_policy_options(pairs: Sequence[str]) -> dict[str, Any]:
-    """``["aging=0.5", "verbose=true"]`` → ``{"aging": 0.5, "verbose": True}``.
-
-    Values are parsed as int, then float, then true/false, and are strings otherwise.
-    """
+    """``["aging=0.5", "verbose=true"]`` → ``{"aging": 0.5, "verbose": True}``."""
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")

@@ -1,26 +1,19 @@
-"""Admission control for one prefill round: token budget, free slots, and KV reservations."""
+"""Admission control for one prefill round: token budget, free rows, KV reservations."""
 
 from __future__ import annotations
 
 from attrs import define, field
 
-from asyncinfer.scheduler.cache import CacheManager
+from asyncinfer.scheduler.kv_manager import KVManager
 from asyncinfer.scheduler.request import Req
 
 
 @define
 class PrefillAdder:
-    """Admits requests one by one into a prefill batch while they fit.
+    """Admits requests into a prefill batch while a row, the token budget and the pages
+    they may ever need (after ``reserved_pages``) allow: running requests never run dry."""
 
-    A request fits when a table row is free, the round's token budget has room for its
-    sequence (its prompt, with its outputs after a preemption; or, with chunked prefill, for
-    a first chunk of it), and the pages it may ever need fit in what is available after
-    every admitted request's own future needs are reserved, so running requests never run
-    out of KV. A newly admitted request claims a row (``free_slots`` counts the unclaimed
-    ones); the scheduler hands out the rows themselves when it builds the batch.
-    """
-
-    cache: CacheManager
+    kv: KVManager
     token_budget: int
     free_slots: int
     reserved_pages: int
@@ -35,14 +28,13 @@ class PrefillAdder:
             return self._take_chunk(req)
         if self.free_slots <= 0:
             return False
-        self.cache.match(req)
-        need = self.cache.pages_to_finish(req)
+        self.kv.match(req)
+        need = self.kv.pages_to_finish(req)
         extend = req.seq_len - req.cached_len
-        # A recompute (prompt and outputs, after a preemption) may exceed the budget its
-        # prompt was checked against: it is chunked even with chunked prefill off.
+        # A recompute after a preemption is chunked even with chunked prefill off.
         fits_budget = extend <= self.token_budget or self.chunked_prefill or req.preemptions > 0
-        if not fits_budget or need > self.cache.available_pages - self.reserved_pages:
-            self.cache.unmatch(req)
+        if not fits_budget or need > self.kv.available_pages - self.reserved_pages:
+            self.kv.unmatch(req)
             return False
         self.free_slots -= 1
         self.reserved_pages += need

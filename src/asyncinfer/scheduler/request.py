@@ -11,12 +11,10 @@ from asyncinfer.params import SamplingParams
 
 
 class RowState(Enum):
-    """Where a request stands with the request table (its row holds the request's tokens
-    and page-table entries; see ``scheduler.table.RowTable``)."""
+    """Where a request stands with the request table (``scheduler.table.RowTable``)."""
 
     NONE = "none"         # holds no row: not admitted yet, sent back to the queue, or done
-    CLAIMED = "claimed"   # admitted into the prefill batch being formed; gets its row when
-                          # the batch is built, so rows go out in batch order
+    CLAIMED = "claimed"   # admitted into the batch being formed; its row comes at build
     HELD = "held"         # holds the row ``Req.row``
 
 
@@ -24,22 +22,8 @@ class RowState(Enum):
 class Req:
     """One request: its tokens, where its KV lives, and how far it has got.
 
-    Positions ``[0, cached_len)`` have KV computed or computing in a launched batch;
-    ``device_len`` tokens are in its token pool row, counting a sampled token not yet seen
-    by the host. ``output_ids`` are the tokens the host has received. ``pages`` covers the
-    positions in order; the first ``shared_pages`` belong to the prefix cache, and
-    ``prefix_handle`` is the lock it holds on them there (None while it shares none; see
-    ``kvcache.prefix``).
-
-    ``row`` is its table row while ``row_state`` is HELD, and None otherwise: a result of a
-    batch that ran it in another row (or before it was sent back to the queue) is told apart
-    by the row alone. Only the methods below move it between row states.
-
-    A waiting request's prefill computes its whole sequence, ``seq_len`` tokens: the prompt,
-    and for a request sent back to the queue (``preemptions > 0``) the outputs it had
-    produced, so that it continues where it stopped. A ``suspect`` was in a batch that
-    failed: it runs alone until a batch of its own samples a token.
-    """
+    Invariants: ``[0, cached_len)`` has KV computed or launched; the first ``shared_pages``
+    are the prefix cache's, locked by ``prefix_handle``; ``row`` is set iff HELD."""
 
     uid: int
     prompt_ids: list[int]
@@ -61,12 +45,10 @@ class Req:
 
     @property
     def prompt_len(self) -> int:
-        """Tokens in the prompt."""
         return len(self.prompt_ids)
 
     @property
     def seq_len(self) -> int:
-        """Tokens so far: prompt and output."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
@@ -77,7 +59,6 @@ class Req:
     @property
     def admitted(self) -> bool:
         """Holds a table row (and so pages): its row state is HELD."""
-        # Read for every waiting request every round: the row alone says it, and cheaper.
         return self.row is not None
 
     @property
@@ -86,7 +67,6 @@ class Req:
         return self.max_tokens - len(self.output_ids)
 
     def token_ids(self) -> list[int]:
-        """Prompt followed by output."""
         return self.prompt_ids + self.output_ids
 
     def claim_row(self) -> None:
@@ -100,8 +80,7 @@ class Req:
         self.row, self.row_state = row, RowState.HELD
 
     def drop_row(self) -> int:
-        """Stop holding its row (HELD -> NONE) and return it, for the caller to free or to
-        leave with a copy that frees it later."""
+        """Stop holding its row (HELD -> NONE) and return it."""
         row = self.row
         assert row is not None and self.row_state is RowState.HELD, (
             f"request {self.uid} holds no row")

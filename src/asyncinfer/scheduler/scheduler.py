@@ -1,18 +1,5 @@
-"""The scheduler: receive → select (by policy) → prepare → forward → process.
-
-One loop serves the offline ``LLM`` and the online coordinator. It keeps the waiting queue
-(arrival order, requests sent back by a preemption in front), the running set (iterated in
-uid order: set order differs between ranks), the request table and the KV cache, and asks a
-Policy what runs next.
-
-A batch whose forward fails harms only its own requests, and only when alone: ``recover``
-sends the members of a failed batch back to the queue (a preemption: their KV is dropped and
-recomputed, their output continues where it stopped) as suspects, and a suspect runs alone
-until a batch of its own succeeds; a request that fails alone is failed. This always ends:
-a lone batch of a suspect completes its prefill and so samples a token, so between two
-failures of batches holding it a request either gains a token (and ``max_tokens`` bounds
-those) or is failed.
-"""
+"""The scheduler: receive, select (by policy), prepare, forward, process.
+See docs/architecture.md, 'Scheduler'."""
 
 from __future__ import annotations
 
@@ -34,8 +21,8 @@ from asyncinfer.policies.base import (
     TenantService,
     WaitingRequest,
 )
-from asyncinfer.scheduler.cache import CacheManager
-from asyncinfer.scheduler.engine import Engine
+from asyncinfer.scheduler.batch_runner import BatchRunner
+from asyncinfer.scheduler.kv_manager import KVManager
 from asyncinfer.scheduler.prefill import PrefillAdder
 from asyncinfer.scheduler.request import Req, RowState
 from asyncinfer.scheduler.table import RowTable
@@ -45,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 @define
 class ScheduledBatch:
-    """A batch with the requests behind it and the extents each computes."""
+    """A batch with the requests behind it."""
 
     batch: Batch
     reqs: list[Req]
@@ -56,17 +43,17 @@ class ScheduledBatch:
 class Scheduler:
     """Continuous batching over a paged KV cache, with batch selection left to a Policy."""
 
-    def __init__(self, engine: Engine, policy: Policy, config: EngineConfig,
+    def __init__(self, runner: BatchRunner, policy: Policy, config: EngineConfig,
                  eos_token_ids: frozenset[int] = frozenset()) -> None:
-        self.engine = engine
+        self.runner = runner
         self.policy = policy
         self.config = config
         self.eos_token_ids = eos_token_ids
-        self.cache = CacheManager(engine.num_pages, engine.page_size, engine.page_table,
-                                  config.cache_type)
+        self.kv = KVManager(runner.num_pages, runner.page_size, runner.page_table,
+                            config.cache_type)
         self.waiting: list[Req] = []            # arrival order, preempted requests first
         self.running: dict[int, Req] = {}       # uid -> request, decoding
-        self.table = RowTable(engine.max_rows)
+        self.table = RowTable(runner.max_rows)
         self.round = 0
         self.decode_streak = 0
         self.tokens_computed = 0
@@ -75,19 +62,14 @@ class Scheduler:
         self._events: list[Event] = []
         self._launched = 0                      # batches scheduled so far
         self._processed = 0                     # batches whose results were processed
-        # Finished or aborted requests whose row and pages a launched batch may still touch,
-        # with the batch they wait for: with overlap, batch N+1 runs while N is processed.
-        self._deferred: list[tuple[int, Req, bool]] = []
+        self._deferred: list[tuple[int, Req, bool]] = []  # (batch seq, req, keep): to release
         self._suspects: set[int] = set()        # uids of suspects (see recover)
-        # Tokens served per tenant since the policy was last asked: [input, output].
-        self._served: dict[str, list[int]] = {}
-
-    # ---- receive -------------------------------------------------------------------------
+        self._served: dict[str, list[int]] = {}  # tenant -> [input, output] since the view
 
     def add_request(self, uid: int, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Queue a request; one that can never run finishes at once with an error event."""
-        n, ctx = len(prompt_ids), self.engine.context_len
-        capacity = self.engine.num_pages * self.engine.page_size
+        n, ctx = len(prompt_ids), self.runner.context_len
+        capacity = self.runner.num_pages * self.runner.page_size
         error = None
         if n == 0:
             error = "the prompt is empty"
@@ -106,11 +88,7 @@ class Scheduler:
         self.waiting.append(Req(uid, list(prompt_ids), params, max_tokens, self.round))
 
     def abort(self, uid: int, notify: bool = True) -> bool:
-        """Drop a request wherever it is and free what it holds; False if unknown.
-
-        With ``notify`` an "abort" event reports it; a frontend that ended the request
-        itself (a stop string matched) passes False.
-        """
+        """Drop a request and free what it holds (``notify``: with an "abort" event)."""
         req = self._remove(uid)
         if req is None:
             return False
@@ -120,8 +98,7 @@ class Scheduler:
         return True
 
     def fail(self, uid: int, error: str) -> bool:
-        """End a request with an "error" event of kind "engine" and free what it holds;
-        False if unknown."""
+        """End a request with an "engine" error event; False if unknown."""
         req = self._remove(uid)
         if req is None:
             return False
@@ -130,19 +107,9 @@ class Scheduler:
         return True
 
     def preempt(self, uid: int, keep_prefix: bool = False) -> bool:
-        """Send an admitted request back to the front of the waiting queue, to be recomputed;
-        False if it holds nothing (unknown, or waiting for its first admission).
-
-        Its row and pages are released (once no launched batch may touch them) without going
-        into the prefix cache, as after a failed forward (its KV may be corrupt), unless
-        ``keep_prefix`` (a policy's preemption: its computed full pages go into the prefix
-        cache, so its recompute finds them there). Its
-        progress is reset, so a later prefill recomputes its prompt and the outputs the host
-        has received; what batches launched before now sample for it is dropped. Its output
-        then continues where it stopped: ``max_tokens`` counts the outputs it has, and the
-        sampling step (which keys seeded sampling) resumes at their number, so a greedy or
-        seeded request produces the tokens it would have produced anyway.
-        """
+        """Send an admitted request to the front of the queue, to be recomputed with the
+        same tokens; False if it holds nothing. ``keep_prefix``: its full pages go to the
+        prefix cache. See docs/architecture.md, 'Preemption'."""
         req = self.running.get(uid)
         if req is None:
             req = next((r for r in self.waiting if r.uid == uid and r.admitted), None)
@@ -151,7 +118,6 @@ class Scheduler:
             self.waiting.remove(req)
         else:
             del self.running[uid]
-        # A copy holds the row and pages until they are released; the request starts afresh.
         self._release(evolve(req), keep=keep_prefix)
         req.drop_row()
         req.pages, req.shared_pages, req.prefix_handle = [], 0, None
@@ -161,16 +127,9 @@ class Scheduler:
         return True
 
     def recover(self, failed: ScheduledBatch, later: ScheduledBatch | None, error: str) -> None:
-        """Undo ``failed``, a batch whose forward raised, and ``later``, the batch launched
-        after it (its inputs include tokens ``failed`` never wrote). Neither is processed; the
-        caller has waited until neither runs any more, and launched nothing after them.
-
-        A request alone in ``failed`` is failed with ``error``. The other members of
-        ``failed`` become suspects, and they and the members of ``later`` are preempted (see
-        :meth:`preempt`). A suspect's next batch holds it alone (see :meth:`schedule`) and it
-        is cleared once such a batch samples its token. Requests in neither batch go on as if
-        nothing happened.
-        """
+        """Undo ``failed`` (its forward raised) and ``later`` (launched after it), neither
+        running nor processed: a lone request is failed, the others preempted, ``failed``'s
+        as suspects. See docs/architecture.md, 'Failure isolation'."""
         last = later or failed
         assert failed.seq == self._processed + 1 and last.seq == self._launched, (
             "recover the oldest unprocessed batch, and the one launched after it")
@@ -178,7 +137,6 @@ class Scheduler:
         self.round += last.seq - failed.seq + 1
         self._release_deferred()
         alone = failed.batch.size == 1
-        # Reversed: each preempted request goes to the front, so they keep batch order.
         for req in reversed(self._members(failed)):
             if alone:
                 self.fail(req.uid, error)
@@ -192,15 +150,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        """Something is waiting, running, releasing, or has an event to report."""
+        """Something waits, runs, is being released or has an event to report."""
         return bool(self.waiting or self.running or self._events or self._deferred)
 
     @property
     def in_flight(self) -> int:
         """Batches launched whose results have not been processed yet."""
         return self._launched - self._processed
-
-    # ---- select and prepare ----------------------------------------------------------------
 
     def view(self) -> SchedulerView:
         """The read-only snapshot a policy decides from."""
@@ -214,23 +170,17 @@ class Scheduler:
             running=tuple(RunningRequest(r.uid, r.seq_len, r.remaining_tokens,
                                          r.params.priority, r.arrival_round, r.params.tenant)
                           for r in self._running_in_uid_order()),
-            free_pages=max(0, self.cache.available_pages - reserved),
+            free_pages=max(0, self.kv.available_pages - reserved),
             free_slots=self.table.num_free,
             token_budget=self.config.max_extend_tokens,
-            page_size=self.engine.page_size,
+            page_size=self.runner.page_size,
             round=self.round,
             decode_streak=self.decode_streak,
             served=tuple(TenantService(t, *self._served[t]) for t in sorted(self._served)),
         )
 
     def schedule(self) -> ScheduledBatch | None:
-        """Ask the policy, then build the batch it chose (or the fallback decode).
-
-        While a suspect waits the policy is not asked: the batch is the next prefill (or
-        chunk) of that suspect alone, or, if it does not fit, a decode of the others. A
-        suspect never shares a batch. None when there is nothing to run until a batch in
-        flight is processed.
-        """
+        """The policy's batch, else a decode (a waiting suspect runs alone), else None."""
         if not (self.waiting or self.running):
             return None
         suspect = self._waiting_suspect() if self._suspects else None
@@ -246,7 +196,6 @@ class Scheduler:
             batch = self._schedule_decode()
         if batch is None:
             if self.in_flight == 0 and not self.running and not self._deferred:
-                # Nothing runs and nothing will be freed: waiting again would hang.
                 raise EngineError(self._stuck(decision, suspect))
             return None
         self._launched += 1
@@ -261,7 +210,6 @@ class Scheduler:
                 self.preempt(uid, keep_prefix=True)
         by_uid = {r.uid: r for r in self.waiting}
         adder = self._prefill_adder()
-        # A half-prefilled prompt holds pages and a row: resume it before anything else.
         order = [r.uid for r in self.waiting if r.admitted]
         order += [u for u in decision.candidates if u in by_uid and not by_uid[u].admitted]
         for uid in order:
@@ -274,7 +222,7 @@ class Scheduler:
         return self._build_prefill(adder) if adder.try_add(req) else None
 
     def _prefill_adder(self) -> PrefillAdder:
-        return PrefillAdder(self.cache, self.config.max_extend_tokens, self.table.num_free,
+        return PrefillAdder(self.kv, self.config.max_extend_tokens, self.table.num_free,
                             self._reserved_pages(), self.config.chunked_prefill)
 
     def _build_prefill(self, adder: PrefillAdder) -> ScheduledBatch:
@@ -282,15 +230,13 @@ class Scheduler:
             if req.row_state is RowState.CLAIMED:  # newly admitted: rows go in batch order
                 row = self.table.allocate()
                 req.take_row(row)
-                self.engine.write_prompt(row, req.token_ids())
-                self.cache.admit(req)
+                self.runner.write_prompt(row, req.token_ids())
+                self.kv.admit(req)
                 if req.preemptions == 0:  # its first admission: the prompt is served once
                     self._served.setdefault(req.params.tenant, [0, 0])[0] += len(req.prompt_ids)
-            self.cache.allocate(req, end)
+            self.kv.allocate(req, end)
         reqs = [req for req, _ in adder.admitted]
         ends = [end for _, end in adder.admitted]
-        # A prefill covers the whole sequence so far (a preempted request's outputs too): it
-        # samples its request's next token, step len(output_ids).
         batch = Batch(rows=_rows(reqs), starts=[r.cached_len for r in reqs],
                       ends=ends, params=[r.params for r in reqs],
                       steps=[len(r.output_ids) for r in reqs],
@@ -304,16 +250,14 @@ class Scheduler:
         return ScheduledBatch(batch, reqs, "prefill")
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        # A request whose last token is already launched has nothing left to decode; a
-        # suspect whose lone prefill is in flight waits for its result.
         reqs = [r for r in self._running_in_uid_order()
                 if r.device_len < r.max_len and not r.suspect]
         if not reqs:
             return None
-        size = self.engine.page_size
+        size = self.runner.page_size
         for req in reqs:
             if req.device_len > len(req.pages) * size:  # crosses into a new page
-                self.cache.allocate(req, req.device_len)
+                self.kv.allocate(req, req.device_len)
         batch = Batch(rows=_rows(reqs), starts=[r.device_len - 1 for r in reqs],
                       ends=[r.device_len for r in reqs], params=[r.params for r in reqs],
                       steps=[r.device_len - r.prompt_len for r in reqs])
@@ -322,13 +266,11 @@ class Scheduler:
             req.device_len += 1
         return ScheduledBatch(batch, reqs, "decode")
 
-    # ---- forward and process ---------------------------------------------------------------
-
     def step(self) -> list[Event]:
         """One round without overlap: schedule, run the batch, process its results."""
         scheduled = self.schedule()
         if scheduled is not None:
-            tokens = self.engine.forward(scheduled.batch).next_tokens.tolist()
+            tokens = self.runner.forward(scheduled.batch).next_tokens.tolist()
             self.process(scheduled, tokens)
         return self.take_events()
 
@@ -338,10 +280,7 @@ class Scheduler:
         return events
 
     def process(self, scheduled: ScheduledBatch, tokens: list[int]) -> None:
-        """Hand each request its token, finish those that are done, free what may be freed.
-
-        Batches must be processed in launch order.
-        """
+        """Hand each request its token and finish those that are done; in launch order."""
         assert scheduled.seq == self._processed + 1, "batches processed out of order"
         self._processed = scheduled.seq
         self.round += 1
@@ -349,8 +288,7 @@ class Scheduler:
         self._release_deferred()
         batch = scheduled.batch
         for req, row, sampled, token in zip(scheduled.reqs, batch.rows, batch.sample, tokens):
-            # A mid-prompt chunk, a result nobody awaits, or one for a request preempted
-            # since (it holds another row now, or none).
+            # A mid-prompt chunk, or a result for a request finished or preempted since.
             if not sampled or req.finished or req.row != row:
                 continue
             if req.suspect:  # its lone batch sampled: it batches with the others again
@@ -372,14 +310,11 @@ class Scheduler:
                 del self.running[req.uid]
                 self._release(req, keep=True)
 
-    # ---- bookkeeping -----------------------------------------------------------------------
-
     def _running_in_uid_order(self) -> list[Req]:
         return [self.running[uid] for uid in sorted(self.running)]
 
     def _waiting_suspect(self) -> Req | None:
-        """The suspect to run next: one halfway through a chunked prefill (it holds a row),
-        else the first in the queue; None if every suspect is running."""
+        """The suspect to run next (a half-prefilled one first); None if all are running."""
         suspects = [r for r in self.waiting if r.suspect]
         return next((r for r in suspects if r.admitted), suspects[0] if suspects else None)
 
@@ -403,7 +338,6 @@ class Scheduler:
         return self.running.pop(uid, None)
 
     def _end(self, req: Req) -> None:
-        """Mark a request removed from the queues finished and free what it holds."""
         req.finished = True
         req.suspect = False
         self._suspects.discard(req.uid)
@@ -411,8 +345,7 @@ class Scheduler:
             self._release(req, keep=False)
 
     def _reserved_pages(self) -> int:
-        # Called every round over every active request: plain arithmetic, no properties.
-        size = self.engine.page_size
+        size = self.runner.page_size
         active = list(self.running.values()) + [r for r in self.waiting if r.admitted]
         return sum((len(r.prompt_ids) + r.max_tokens + size - 1) // size - len(r.pages)
                    for r in active)
@@ -421,7 +354,7 @@ class Scheduler:
         if self.in_flight:  # a launched batch may still read or write its row and pages
             self._deferred.append((self._launched, req, keep))
             return
-        self.cache.release(req, keep)
+        self.kv.release(req, keep)
         self.table.release(req.drop_row())
 
     def _release_deferred(self) -> None:
@@ -430,13 +363,12 @@ class Scheduler:
             if batch_seq > self._processed:
                 waiting.append((batch_seq, req, keep))
                 continue
-            self.cache.release(req, keep)
+            self.kv.release(req, keep)
             self.table.release(req.drop_row())
         self._deferred = waiting
 
     def abort_all(self) -> None:
-        """Drop every request after a failed round; launched batches count as done (the
-        caller waited for them to stop running)."""
+        """Drop every request after a failed round; launched batches count as done."""
         self._processed = self._launched
         for uid in [r.uid for r in self.waiting] + list(self.running):
             self.abort(uid, notify=False)
@@ -449,31 +381,27 @@ class Scheduler:
 
     @property
     def free_rows(self) -> list[int]:
-        """Table rows no request holds, lowest first."""
         return self.table.free_rows
 
     def check_invariants(self) -> None:
-        """Every page is free, cached or owned by exactly one active request; rows likewise.
-        Outside ``schedule`` no request is left with a claimed row, a request holds a row
-        exactly when its row state says so, and a prefix-cache lock exactly when it shares
-        pages."""
+        """Pages and rows are each free, cached or owned once; row states, prefix locks,
+        reservations and suspects agree with what requests hold."""
         active = list(self.running.values()) + [r for r in self.waiting if r.admitted]
         active += [req for _, req, _ in self._deferred]
         owned = sum(len(r.pages) - r.shared_pages for r in active)
-        free, cached = self.cache.allocator.num_free, self.cache.cached_pages
-        assert free + cached + owned == self.engine.num_pages, (free, cached, owned)
+        free, cached = self.kv.allocator.num_free, self.kv.cached_pages
+        assert free + cached + owned == self.runner.num_pages, (free, cached, owned)
         for req in [*self.waiting, *self.running.values(), *active]:
             assert req.row_state is not RowState.CLAIMED, req.uid
             assert (req.row is not None) == (req.row_state is RowState.HELD), req.uid
             assert (req.prefix_handle is not None) == (req.shared_pages > 0), req.uid
         rows = sorted(_rows(active) + self.table.free_rows)
-        assert rows == list(range(self.engine.max_rows)), rows
-        assert self._reserved_pages() <= self.cache.available_pages
+        assert rows == list(range(self.runner.max_rows)), rows
+        assert self._reserved_pages() <= self.kv.available_pages
         suspects = {r.uid for r in [*self.waiting, *self.running.values()] if r.suspect}
         assert suspects == self._suspects, (suspects, self._suspects)
 
 
 def _rows(reqs: list[Req]) -> list[int]:
-    """The rows of requests that hold one (those of a batch being built, say)."""
-    # Per request per round: the row states are checked where they change, not here.
+    """The rows of requests that hold one (unchecked: hot)."""
     return cast("list[int]", [r.row for r in reqs])

@@ -1,4 +1,4 @@
-"""The request table's free rows: which are free, which goes out next."""
+"""The request table's free rows."""
 
 from __future__ import annotations
 
@@ -6,14 +6,8 @@ from bisect import bisect_left
 
 
 class RowTable:
-    """Rows of the request table (the engine's token pool and page table), one per admitted
-    request.
-
-    The lowest free row goes out first: every tensor-parallel rank must form identical
-    batches, so which row a request gets may depend only on the calls made, never on the
-    order of a hash or a set. A request's own standing (no row, claimed, holding one) is its
-    ``RowState``; this keeps the rows nobody holds.
-    """
+    """Rows of the token pool and page table; the lowest free goes out first, so every
+    rank hands out the same rows."""
 
     def __init__(self, num_rows: int) -> None:
         self.num_rows = num_rows
@@ -21,7 +15,6 @@ class RowTable:
 
     @property
     def num_free(self) -> int:
-        """Rows nobody holds."""
         return len(self._free)
 
     @property
@@ -35,7 +28,6 @@ class RowTable:
         return self._free.pop(0)
 
     def release(self, row: int) -> None:
-        """Give ``row`` back."""
         at = bisect_left(self._free, row)
         assert 0 <= row < self.num_rows, f"row {row} is not in the table"
         assert at == len(self._free) or self._free[at] != row, f"row {row} released twice"

@@ -23,7 +23,7 @@ def _aging(policy: Any, attribute: Attribute[Any], value: Any) -> None:  # refus
 
 @frozen
 class ShortestOutputFirst:
-    """Prefill by ``max_tokens - aging * waited_rounds``, lowest first, ties in arrival
+    """Prefill by ``remaining_tokens - aging * waited_rounds``, lowest first, ties in arrival
     order, stopping at the first misfit. Deterministic: the rank depends on the view alone."""
 
     name = "shortest_output_first"
@@ -34,7 +34,8 @@ class ShortestOutputFirst:
     aging: float = field(default=1.0, validator=_aging)
 
     def rank(self, request: WaitingRequest) -> float:
-        return request.max_tokens - self.aging * request.waited_rounds
+        """Lower goes first."""
+        return request.remaining_tokens - self.aging * request.waited_rounds
 
     def decide(self, view: SchedulerView) -> Decision:
         """Prefill by rank when anything waits (stopping at a misfit), else decode."""

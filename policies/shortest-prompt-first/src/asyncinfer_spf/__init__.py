@@ -22,12 +22,7 @@ def _positive_int(policy: Any, attribute: Attribute[Any], value: Any) -> None:
 class ShortestPromptFirst:
     """Prefill the request with the least prompt left first; a long wait puts one in front.
 
-    Candidates are the waiting requests by ``prefill_remaining`` (ties by arrival order),
-    and one that does not fit is skipped. Option ``max_wait_rounds`` (integer >= 1, default
-    256): a request that has waited that many rounds is starved; starved requests go first
-    in arrival order and admission stops at the first that does not fit, so nothing passes
-    them until they run.
-    """
+    Misfits are skipped; requests that waited ``max_wait_rounds`` go first and stop."""
 
     name = "shortest_prompt_first"
     options: ClassVar[dict[str, str]] = {

@@ -1,5 +1,4 @@
-"""Per-tenant fair share: the Virtual Token Counter (Sheng et al., OSDI'24) as an asyncinfer
-policy, found through its entry point."""
+"""Per-tenant fair share: the Virtual Token Counter (Sheng et al., OSDI'24) as a policy."""
 
 from __future__ import annotations
 
@@ -29,11 +28,7 @@ def _positive_int(policy: Any, attribute: Attribute[Any], value: Any) -> None:
 
 
 def service_bound(w_in: float, w_out: float, max_input_len: int, kv_tokens: int) -> float:
-    """The paper's bound on the service gap between two tenants backlogged over the same
-    interval: ``2 * max(w_in * L_in, w_out * M)``, with ``L_in`` the longest prompt and
-    ``M`` the tokens the running batch can hold (the KV cache's pages times their size):
-    the running requests of one tenant can produce no more than that before they finish
-    and a waiting tenant's request gets in."""
+    """The service gap bound of two tenants backlogged together (``M``: the KV tokens)."""
     return 2 * max(w_in * max_input_len, w_out * kv_tokens)
 
 
@@ -41,28 +36,8 @@ def service_bound(w_in: float, w_out: float, max_input_len: int, kv_tokens: int)
 class VTC:
     """Serve tenants in turn by the service they got: the lowest virtual counter goes next.
 
-    A tenant's counter grows by ``w_in`` per prompt token admitted and ``w_out`` per output
-    token produced (``SchedulerView.served``). Each prefill lists the waiting requests as
-    the paper's admission loop would take them: the head request (earliest) of the tenant
-    with the lowest counter, whose counter then grows by its prompt, and again; admission
-    stops at the first that does not fit. A tenant that starts waiting again has its
-    counter lifted to the lowest counter among the tenants already waiting (or, when none
-    was, to that of the last ones that were), so idling earns no credit to spend later.
-    It prefills whenever anything waits, like prefill_first.
-
-    The tenant is ``SamplingParams.tenant``: the OpenAI ``user`` field or the ``X-Tenant``
-    header on the server; requests without one share the tenant ``""``.
-
-    Options: ``w_in`` (> 0, default 1) and ``w_out`` (> 0, default 2), the cost of an input
-    and an output token; ``max_tenants`` (>= 1, default 65536), counters remembered for
-    tenants with nothing waiting or running (the least recently served are forgotten
-    first, as if new).
-
-    Bound: over any interval in which two tenants both have requests waiting, the service
-    each gets (``w_in`` per admitted prompt token plus ``w_out`` per output token) differs by
-    at most :func:`service_bound`: ``2 * max(w_in * L_in, w_out * M)``, ``M`` the tokens
-    the KV cache holds.
-    """
+    Counters, kept across views, grow by ``w_in`` per prompt and ``w_out`` per output token
+    served; a tenant that starts waiting is lifted to the lowest one waiting. See the README."""
 
     name: ClassVar[str] = "vtc"
     options: ClassVar[dict[str, str]] = {
@@ -74,7 +49,6 @@ class VTC:
     w_in: float = field(default=1.0, validator=_weight)
     w_out: float = field(default=2.0, validator=_weight)
     max_tenants: int = field(default=65536, validator=_positive_int)
-    # Counters by tenant, least recently served first (dicts keep insertion order).
     _counters: dict[str, float] = field(factory=dict, init=False, repr=False)
     _waiting: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _floor: float = field(default=0.0, init=False, repr=False)
@@ -106,8 +80,7 @@ class VTC:
         return Decision.prefill(self._order(view), "stop")
 
     def _order(self, view: SchedulerView) -> list[int]:
-        """Candidates as repeated picks of the lowest counter, each charged its prompt; no
-        more than the free request slots could take (plus those already holding one)."""
+        """Repeated picks of the lowest counter, each charged its prompt, while rows last."""
         queues: dict[str, list[WaitingRequest]] = {}
         for req in view.waiting:
             queues.setdefault(req.tenant, []).append(req)

@@ -1,4 +1,4 @@
-"""What the scheduler needs of an engine: the two tables it fills and a forward."""
+"""What the scheduler needs of a model runner: the two tables it fills and a forward."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from asyncinfer.core import Batch, ForwardOutput
 
 
-class Engine(Protocol):
-    """A model runner as seen by the scheduler; tests drive the scheduler with a fake one."""
+class BatchRunner(Protocol):
+    """A model runner as the scheduler sees it (``tests/fake_engine.py`` is a fake one)."""
 
     page_table: torch.Tensor   # [rows, width]: KV slot of each position, on the host
     token_pool: torch.Tensor   # [rows, width]: token id of each position

@@ -1,4 +1,4 @@
-"""The cache manager: pages for requests, shared through a prefix cache (or not)."""
+"""The KV manager: pages for requests, shared through a prefix cache (or not)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,7 @@ PREFIX_CACHES: dict[str, Callable[[int], PrefixCache[Any]]] = {
 
 @define
 class PrefixCacheStats:
-    """Prefix-cache lookups since the start, for metrics: one per admitted request (a
-    recompute after a preemption is not a new request), with the prompt tokens queried and
-    those found cached. A hit is a lookup that found at least one token.
-
-    Only a cache that shares pages (``PrefixCache.shares``) counts: with ``naive`` every
-    count stays 0, as the engine's stats promise without a prefix cache.
-    """
+    """Prefix-cache lookups, one per first admission, counted only by a cache that shares."""
 
     queries: int = 0
     hits: int = 0
@@ -37,22 +31,15 @@ class PrefixCacheStats:
     hit_tokens: int = 0
 
     def record(self, query_tokens: int, hit_tokens: int) -> None:
-        """Count one lookup."""
         self.queries += 1
         self.hits += int(hit_tokens > 0)
         self.query_tokens += query_tokens
         self.hit_tokens += hit_tokens
 
 
-class CacheManager:
-    """Hands out pages, writes them into the page table, and gives them back at the end.
-
-    The prefix cache named by ``cache_type`` (see ``PREFIX_CACHES``) decides what is shared:
-    a request is matched against it on admission and pins what matched; a finished
-    request's pages are offered to it; its unpinned pages are evicted when the free list runs
-    short. With ``"radix"`` finished requests' full pages stay in a prefix tree, evicted
-    least recently used first; with ``"naive"`` every page returns to the free list.
-    """
+class KVManager:
+    """Hands out pages, writes them into the page table and takes them back, sharing them
+    through the prefix cache ``cache_type`` names (pinned while matched, evicted when short)."""
 
     def __init__(self, num_pages: int, page_size: int, page_table: torch.Tensor,
                  cache_type: str) -> None:
@@ -70,11 +57,9 @@ class CacheManager:
 
     @property
     def cached_pages(self) -> int:
-        """Pages owned by the prefix cache."""
         return self.prefix.cached_pages
 
     def pages_for(self, num_tokens: int) -> int:
-        """Pages that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.page_size)
 
     def pages_to_finish(self, req: Req) -> int:
@@ -82,10 +67,7 @@ class CacheManager:
         return self.pages_for(req.max_len) - len(req.pages)
 
     def match(self, req: Req) -> None:
-        """Attach the longest cached prefix of the sequence to prefill (the prompt, and the
-        outputs of a preempted request) to ``req`` and pin it."""
-        # Tried for every candidate of every prefill round: a request with no outputs yet is
-        # looked up on its prompt itself, not on a copy.
+        """Attach the longest cached prefix of ``req``'s sequence to it and pin it."""
         found = self.prefix.match_prefix(req.token_ids() if req.output_ids else req.prompt_ids)
         if found.pages:  # an empty prefix has no pages to pin
             self.prefix.lock(found.handle)
@@ -102,11 +84,8 @@ class CacheManager:
         req.cached_len = 0
 
     def admit(self, req: Req) -> None:
-        """Write the shared prefix pages of a newly admitted request into its table row.
-
-        A request's first admission also fixes its ``prefix_len`` and counts as one lookup in
-        ``stats``; a recompute after a preemption changes neither.
-        """
+        """Write a newly admitted request's shared pages into its row; a first admission
+        also fixes ``prefix_len`` and counts one lookup."""
         if req.shared_pages:
             self._write(req, 0, req.pages[: req.shared_pages])
         if req.preemptions == 0:
@@ -120,19 +99,15 @@ class CacheManager:
         if need <= 0:
             return
         short = need - self.allocator.num_free
-        if short > 0:  # the admission checks counted on these being evictable
+        if short > 0:  # admission counted these as evictable
             self.allocator.free(self.prefix.evict(short))
         new = self.allocator.allocate(need)
         self._write(req, len(req.pages), new)
         req.pages.extend(new)
 
     def release(self, req: Req, keep: bool) -> None:
-        """Return the pages of a finished or aborted request and unpin its matched prefix.
-
-        With ``keep`` (a normal finish) its full pages of computed KV are offered to the
-        prefix cache; otherwise (an abort, a preemption) only its own pages are freed: their
-        KV may be partial, or corrupt after a failed forward.
-        """
+        """Return a request's pages and unpin its prefix; ``keep`` (a normal finish) offers
+        its computed full pages to the prefix cache, else (KV maybe corrupt) they are freed."""
         if keep:
             computed = req.token_ids()[: req.cached_len]
             self.allocator.free(self.prefix.insert(computed, req.pages))
