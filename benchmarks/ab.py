@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> None:
                            and r["side"] == "base") for p in range(args.pairs))
     record = {
         "benchmark": "offline-cpu A/B",
-        "command": " ".join(["python -m benchmarks.ab", *(argv or sys.argv[1:])]),
+        # The checkouts by commit, not by where they lay on the measuring machine.
+        "command": (f"python -m benchmarks.ab --base <checkout of {_commit(base)}> "
+                    f"--new <checkout of {_commit(new)}> --dtype {args.dtype} "
+                    f"--pairs {args.pairs}"),
         "base_commit": _commit(base), "new_commit": _commit(new),
         "machine": _machine(), "model": Path(model).name, "dtype": args.dtype,
         "same_tokens": len({r["digest"] for r in runs}) == 1,
