@@ -440,3 +440,40 @@ async def test_storm_of_streams_with_hang_ups_leaves_nothing_behind(served_model
                 break
             assert time.monotonic() < deadline, stats
             await asyncio.sleep(0.05)
+
+
+async def _raw_post(server: TestServer, headers: bytes, body: bytes) -> bytes:
+    """The response head to a POST whose header bytes are sent as given (not UTF-8 too)."""
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n" + headers
+                 + b"\r\n\r\n" + body)
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 120)
+    writer.close()
+    return head
+
+
+async def test_header_bytes_that_are_not_utf8_are_a_400_and_hold_no_place(
+        engine: StubEngine) -> None:
+    """X-Tenant: \\xff, as many times as the server has places, then an ordinary request."""
+    options = ServerOptions(max_waiting_requests=4)
+    async with TestServer(create_app(engine, options=options)) as server:
+        body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+        for _ in range(6):
+            head = await _raw_post(server, b"X-Tenant: \xff", body)
+            assert head.startswith(b"HTTP/1.1 400"), head
+        assert not engine.prompts
+        assert (await _raw_post(server, b"X-Tenant: team-a", body)).startswith(b"HTTP/1.1 200")
+    assert [p.tenant for p in engine.params] == ["team-a"]
+
+
+async def test_an_api_key_that_is_not_utf8_is_a_401(engine: StubEngine) -> None:
+    async with TestServer(create_app(engine, api_key="café")) as server:
+        body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+        for key in (b"caf\xe9", b"caf\xc3\xa9x", b"\xff\xfe"):
+            head = await _raw_post(server, b"Authorization: Bearer " + key, body)
+            assert head.startswith(b"HTTP/1.1 401"), head
+        good = await _raw_post(server, "Authorization: Bearer café".encode(), body)
+        assert good.startswith(b"HTTP/1.1 200"), good
+    assert len(engine.prompts) == 1

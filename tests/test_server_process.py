@@ -432,3 +432,35 @@ async def test_a_killed_tensor_parallel_rank_stops_every_rank_with_503s(
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_header_bytes_that_are_not_utf8_are_a_400_and_hold_no_place(server: str) -> None:
+    """X-Tenant: \\xff through the front and its engine client: 400 each, and afterwards
+    nothing counts as waiting (a request that cannot be sent to the core holds no place)."""
+    import aiohttp
+
+    host, _, port = server.removeprefix("http://").partition(":")
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    for _ in range(5):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nX-Tenant: \xff\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 120)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 400"), head
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{server}/v1/completions", data=body,
+                                headers={"Content-Type": "application/json"}) as response:
+            assert response.status == 200
+        deadline = time.monotonic() + 30
+        while True:
+            async with session.get(f"{server}/metrics") as response:
+                text = await response.text()
+            waiting = [float(line.split()[1]) for line in text.splitlines()
+                       if line.startswith("asyncinfer_requests_waiting ")]
+            if waiting == [0.0]:
+                break
+            assert time.monotonic() < deadline, waiting
+            await asyncio.sleep(0.1)

@@ -61,6 +61,15 @@ BOUNDS: Mapping[str, Bound] = MappingProxyType({
 })
 
 
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: a header's undecodable bytes arrive as surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check(cond: bool, param: str, message: str) -> None:
     if not cond:
         raise InvalidRequestError(f"{param} {message}", param=param)
@@ -98,8 +107,9 @@ class SamplingParams:
             if value is None and name == "seed":
                 continue
             _check(bound.holds(value), name, f"must be {bound.describe()}, got {value!r}")
-        _check(isinstance(self.tenant, str) and len(self.tenant) <= MAX_TENANT_CHARS, "tenant",
-               f"must be a string of at most {MAX_TENANT_CHARS} characters, "
+        _check(isinstance(self.tenant, str) and len(self.tenant) <= MAX_TENANT_CHARS
+               and _is_utf8(self.tenant), "tenant",
+               f"must be a UTF-8 string of at most {MAX_TENANT_CHARS} characters, "
                f"got {self.tenant!r:.80}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                f"must be a non-empty string or a list of them, got {self.stop!r}")

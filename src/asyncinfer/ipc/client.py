@@ -126,9 +126,11 @@ class EngineClient(Front):
                                      self._gone or "the engine client is not started",
                                      error_kind="unavailable"))
             return
+        # Encoded before anything counts it: a request that cannot be sent holds no place.
+        data = msg.encode(msg.Add(self.front, uid, prompt_ids, msg.params_fields(params)))
         self._channels[uid] = channel
         self._sent += 1
-        self._send(msg.Add(self.front, uid, prompt_ids, msg.params_fields(params)))
+        self._send_bytes(data)
 
     def abort(self, uid: int) -> None:
         """Stop a request; the core frees what it holds."""
@@ -136,9 +138,12 @@ class EngineClient(Front):
             self._send(msg.Abort([uid]))
 
     def _send(self, message: msg.Inbound) -> None:
+        self._send_bytes(msg.encode(message))
+
+    def _send_bytes(self, data: bytes) -> None:
         if self._push is None or self._gone is not None:
             return
-        self._push.send(msg.encode(message), flags=zmq.NOBLOCK)
+        self._push.send(data, flags=zmq.NOBLOCK)
 
     async def _read(self, pull: zmq.asyncio.Socket) -> None:
         try:

@@ -154,8 +154,11 @@ def auth_middleware(api_key: str) -> Any:
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/") or request.path in ("/v1", "/generate"):
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    token.strip().encode(), expected):
+            try:
+                given = token.strip().encode()
+            except UnicodeEncodeError:  # header bytes that are not UTF-8: not the key
+                given = b""
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected):
                 raise APIError(401, "missing or wrong API key: send the header "
                                     "'Authorization: Bearer <key>'", code="invalid_api_key")
         return await handler(request)
