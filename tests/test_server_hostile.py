@@ -477,3 +477,40 @@ async def test_an_api_key_that_is_not_utf8_is_a_401(engine: StubEngine) -> None:
         good = await _raw_post(server, "Authorization: Bearer café".encode(), body)
         assert good.startswith(b"HTTP/1.1 200"), good
     assert len(engine.prompts) == 1
+
+
+def _failed_count(metrics_text: str) -> float:
+    return next(float(line.split()[1]) for line in metrics_text.splitlines()
+                if line.startswith('asyncinfer_requests_total{outcome="failed"}'))
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_corrupt_compressed_body_is_a_400(engine: StubEngine, encoding: str) -> None:
+    async with TestServer(create_app(engine)) as server:
+        head = await _raw_post(server, f"Content-Encoding: {encoding}".encode(),
+                               b"\x1f\x8b\x08\x00 this is not a compressed stream")
+        assert head.startswith(b"HTTP/1.1 400"), head
+    assert not engine.prompts
+
+
+async def test_a_client_that_hangs_up_mid_body_is_not_a_failure(
+        engine: StubEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """Half of a declared body, then the connection closed: no error logged, not counted as
+    failed, and the server serves the next request."""
+    async with TestServer(create_app(engine)) as server:
+        for _ in range(3):
+            _, writer = await asyncio.open_connection(server.host, server.port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 200\r\n\r\n{\"prompt\": \"hi")
+            await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+        async with aiohttp.ClientSession() as session:
+            url = f"http://{server.host}:{server.port}"
+            async with session.post(f"{url}/v1/completions",
+                                    json={"prompt": "hi", "max_tokens": 1}) as response:
+                assert response.status == 200
+            async with session.get(f"{url}/metrics") as response:
+                assert _failed_count(await response.text()) == 0
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert len(engine.prompts) == 1

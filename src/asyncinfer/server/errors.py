@@ -16,6 +16,9 @@ logger = logging.getLogger(__name__)
 _TYPES = {401: "authentication_error", 404: "not_found_error"}
 
 
+CLIENT_CLOSED = 499  # nginx's status for a client that left before its answer; never sent
+
+
 class APIError(AsyncInferError):
     """An HTTP-level error the server raises itself: a status, and the request field at fault."""
 

@@ -13,7 +13,7 @@ from aiohttp import web
 from attrs import define
 
 from asyncinfer.server.backend import GenerateBackend
-from asyncinfer.server.errors import APIError, http_status
+from asyncinfer.server.errors import CLIENT_CLOSED, APIError, http_status
 from asyncinfer.server.metrics import ServerMetrics
 from asyncinfer.server.options import ServerOptions
 
@@ -143,6 +143,8 @@ class Operations:
 
 
 def _outcome(status: int) -> str:
+    if status == CLIENT_CLOSED:
+        return "cancelled"  # as a client that leaves mid-stream
     return "rejected" if status < 500 or status == 503 else "failed"
 
 

@@ -26,7 +26,7 @@ import asyncinfer.server.protocol as protocol
 import asyncinfer.server.translate as translate
 from asyncinfer.errors import ConfigError, EngineError
 from asyncinfer.server.backend import GenerateBackend
-from asyncinfer.server.errors import APIError, bad_request, error_payload
+from asyncinfer.server.errors import CLIENT_CLOSED, APIError, bad_request, error_payload
 from asyncinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from asyncinfer.server.openapi import openapi_document
 from asyncinfer.server.operations import Call, Operations
@@ -278,6 +278,13 @@ async def read_json_body(request: web.Request, timeout: float) -> dict[str, Any]
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s",
                        code="request_timeout", headers={"Connection": "close"}) from None
+    except ConnectionError:  # the client hung up mid-body: nobody to answer, nothing wrong
+        logger.debug("the client of %s %s left before its body arrived", request.method,
+                     request.path)
+        raise APIError(CLIENT_CLOSED, "the client closed the connection",
+                       code="client_closed_request") from None
+    except web.RequestPayloadError as exc:  # a corrupt compressed body, a short chunked one
+        raise bad_request(f"the request body could not be read: {exc}") from None
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # also bad UTF-8 and absurd nesting
