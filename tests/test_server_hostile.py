@@ -514,3 +514,23 @@ async def test_a_client_that_hangs_up_mid_body_is_not_a_failure(
                 assert _failed_count(await response.text()) == 0
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     assert len(engine.prompts) == 1
+
+
+async def test_uploads_that_stall_hold_no_place_in_the_queue(engine: StubEngine) -> None:
+    """As many stalled bodies as the queue has places, then an ordinary request: served."""
+    options = ServerOptions(max_waiting_requests=4, body_timeout=600)
+    async with TestServer(create_app(engine, options=options)) as server:
+        writers = []
+        for _ in range(4):
+            _, writer = await asyncio.open_connection(server.host, server.port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            await writer.drain()
+            writers.append(writer)
+        url = f"http://{server.host}:{server.port}/v1/completions"
+        async with aiohttp.ClientSession() as session, session.post(
+                url, json={"prompt": "hi", "max_tokens": 1}) as response:
+            assert response.status == 200
+        for writer in writers:
+            writer.close()
+    assert len(engine.prompts) == 1

@@ -118,9 +118,11 @@ class Routes:
         app.router.add_get("/openapi.json", self.openapi)
 
     async def _parse(self, call: Call, parse: Parse) -> translate.ParsedRequest:
-        """Read, validate and tokenize the body; counted as waiting while it happens."""
+        """Read the body, then validate and tokenize it, counted as waiting from the moment
+        it has arrived (an upload that stalls holds no place in the queue)."""
+        body = await read_json_body(call.request, self.options.body_timeout)
+        self.operations.admit()  # the queue may have filled while the body arrived
         with self.operations.admitting():
-            body = await read_json_body(call.request, self.options.body_timeout)
             parsed = await parse(body, self.encoder, self.limits)
             tenant = call.request.headers.get(TENANT_HEADER)
             if tenant is not None:  # a gateway's word over the body's ``user``
