@@ -210,3 +210,19 @@ def test_serve_runs_replicas_only_with_dp(dp: int, runs: str,
     args = build_parser().parse_args(["serve", "--dp", str(dp)])
     args.func(args)
     assert ran == [runs]
+
+
+@pytest.mark.parametrize(("argv", "usage", "suggestion"), [
+    (["serve", "--max-token", "5"], "asyncinfer serve", "--max-tokens-limit"),
+    (["bench", "serve", "--rat", "3"], "asyncinfer bench serve", "--rate"),
+    (["generate", "hi", "--temprature", "0.5"], "asyncinfer generate", "--temperature"),
+])
+def test_a_flag_is_never_abbreviated_and_an_unknown_one_gets_its_commands_usage(
+        argv: list[str], usage: str, suggestion: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {usage} ")
+    assert f"unrecognized arguments: {' '.join(argv[-2:])} (did you mean {suggestion}?)" in err

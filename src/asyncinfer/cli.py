@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.logs import configure_logging
@@ -65,9 +67,38 @@ def _policies(args: argparse.Namespace) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """A parser that takes no abbreviated flag (``--max-token`` is not ``--max-tokens-limit``)
+    and answers an unknown one with its subcommand's usage and the closest flag it has."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            parser = self._chosen(parsed)
+            flags = [flag for action in parser._actions for flag in action.option_strings]
+            close = difflib.get_close_matches(extra[0].partition("=")[0], flags, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        return parsed
+
+    def _chosen(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The deepest subcommand's parser that ``parsed`` went through."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                child = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(child, Parser):
+                    return child._chosen(parsed)
+        return self
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__)
+    parser = Parser(prog="asyncinfer", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log every library's INFO lines, with their level and logger "
                              "(by default: asyncinfer's start-up steps and progress, and "
