@@ -182,21 +182,11 @@ def preflight(args: argparse.Namespace,
 def _check_policy(config: EngineConfig) -> None:
     """The policy's name and option names, checked without building it: the process that
     runs it builds it, once, and judges the values."""
-    from asyncinfer.policies.registry import available_policies
+    from asyncinfer.policies.registry import check_policy
 
-    name, given = config.policy, sorted(config.policy_options)
-    found = available_policies()
-    if name not in found:
-        raise ConfigError(f"{flag('policy')} {name}: unknown policy {name!r}; installed "
-                          f"policies: {', '.join(found) or '(none)'}")
     try:
-        known = getattr(found[name].load(), "options", None)
-    except Exception as exc:
-        raise ConfigError(f"{flag('policy')} {name}: failed to load: "
-                          f"{type(exc).__name__}: {exc}") from None
-    unknown = [key for key in given if isinstance(known, Mapping) and key not in known]
-    if unknown:
-        raise ConfigError(f"{flag('policy')} {name}: policy {name!r} has no option "
-                          f"{unknown[0]!r}; its options: {', '.join(known or ()) or '(none)'}")
+        check_policy(config.policy, config.policy_options)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag('policy')} {config.policy}: {exc}") from None
 
 

@@ -30,13 +30,7 @@ def load_policy(policy: str | Policy, options: Mapping[str, Any] | None = None) 
             raise ConfigError(f"policy options {sorted(options)} were given with a policy "
                               f"instance ({policy!r}); pass them to its constructor instead")
         return _checked(policy, repr(policy))
-    factory = _factory(policy)
-    known = getattr(factory, "options", None)
-    if isinstance(known, Mapping):
-        for key in sorted(options):
-            if key not in known:
-                raise ConfigError(f"policy {policy!r} has no option {key!r}; its options: "
-                                  f"{', '.join(known) or '(none)'}")
+    factory = check_policy(policy, options)
     try:
         instance = factory(**options)
     except ConfigError:
@@ -44,6 +38,19 @@ def load_policy(policy: str | Policy, options: Mapping[str, Any] | None = None) 
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"policy {policy!r}: bad options {options}: {exc}") from exc
     return _checked(instance, repr(policy))
+
+
+def check_policy(name: str, options: Mapping[str, Any] | None = None) -> Any:
+    """The factory registered as ``name``, its option names checked; nothing is built (the
+    values are the factory's to judge)."""
+    factory = _factory(name)
+    known = getattr(factory, "options", None)
+    if isinstance(known, Mapping):
+        for key in sorted(options or {}):
+            if key not in known:
+                raise ConfigError(f"policy {name!r} has no option {key!r}; its options: "
+                                  f"{', '.join(known) or '(none)'}")
+    return factory
 
 
 def _factory(name: str) -> Any:
