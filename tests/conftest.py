@@ -9,6 +9,16 @@ from typing import Any
 import pytest
 import torch
 
+# A test that needs the embedded SmolLM2 (fetched and converted into the cache on first use)
+# is marked slow, by the fixtures that hand it over: `-m "not slow"` runs the others.
+EMBEDDED_MODEL_FIXTURES = {"smollm2_dir", "served_model"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if EMBEDDED_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:

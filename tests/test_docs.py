@@ -4,11 +4,15 @@ figures of docs/benchmarks.md's summary are numbers their records hold."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "docs" / "benchmarks"
@@ -163,3 +167,32 @@ def test_the_summary_rows_are_their_records_figures() -> None:
         assert wanted <= set(DATE.findall(dates)), f"{what!r}: dates {wanted}, given {dates}"
         problems += _check_figures(figure, [name])
     assert not problems, "\n".join(problems)
+
+
+def test_not_slow_leaves_out_the_tests_that_need_the_embedded_model() -> None:
+    """README's `-m "not slow"`: a test taking the embedded SmolLM2 is left out, one on a
+    tiny model stays."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "-m", "not slow", "tests/test_llm.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "test_naive_cache_recomputes_the_whole_prompt" in out.stdout
+    assert "test_text_prompts_and_stop_strings" not in out.stdout
+    assert "deselected" in out.stdout
+
+
+def test_a_test_path_after_the_double_dash_replaces_the_default_paths() -> None:
+    """README's `nox -s tests -- tests/test_x.py -k name` runs that file alone, and options
+    alone keep the whole suite."""
+    pytest.importorskip("nox")
+    spec = importlib.util.spec_from_file_location("asyncinfer_noxfile", ROOT / "noxfile.py")
+    assert spec is not None and spec.loader is not None
+    noxfile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(noxfile)
+    suite = ["tests", "policies/vtc/tests"]
+    assert noxfile._pytest_args(suite, ["tests/test_llm.py", "-k", "stop"]) == [
+        "tests/test_llm.py", "-k", "stop"]
+    assert noxfile._pytest_args(suite, ["tests/test_llm.py::test_text_prompts_and_stop_strings"]
+                                ) == ["tests/test_llm.py::test_text_prompts_and_stop_strings"]
+    assert noxfile._pytest_args(suite, ["-m", "not slow"]) == [*suite, "-m", "not slow"]
