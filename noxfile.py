@@ -2,7 +2,7 @@
 and gpu-tests (a CUDA machine).
 
 tests, core, typecheck and bench run in one venv they share, `.nox/_shared`: torch and the
-extras are installed into it once (the first of them builds it, about 3 minutes), and again
+extras are installed into it once (by the first of them to run), and again
 only when pyproject.toml, a plugin's pyproject.toml or the torch pin changes. Remove the
 folder to rebuild it. lint installs only ruff and import-linter; package builds a clean venv of
 its own on purpose (the wheel alone, with torch)."""
@@ -52,7 +52,7 @@ def _shared_env(session: nox.Session) -> dict[str, str | None]:
         [CPU_TORCH, SHARED_EXTRAS, (ROOT / "pyproject.toml").read_text()]
         + [(ROOT / plugin / "pyproject.toml").read_text() for plugin in PLUGINS]
     ).encode()).hexdigest()
-    if stamp.exists() and stamp.read_text() == wanted:
+    if (bin_dir / "python").exists() and stamp.exists() and stamp.read_text() == wanted:
         session.log(f"reusing {SHARED_VENV.relative_to(ROOT)} (remove it to rebuild)")
         return env
     if not (bin_dir / "python").exists():
