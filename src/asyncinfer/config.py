@@ -285,8 +285,9 @@ class EngineConfig:
     kv_cache_gb: float | None = option(
         None, check=_above_zero,
         help="KV cache size in GiB",
-        means="2 on CPU; on CUDA what gpu_memory_utilization leaves after weights and "
-              "activations")
+        means="on CPU room for max_running_requests sequences of max_seq_len, at most an "
+              "eighth of the memory available; on CUDA what gpu_memory_utilization leaves "
+              "after weights and activations")
     num_pages: int | None = option(None, check=_positive,
                                    help="KV cache size in pages (overrides kv_cache_gb)")
     seed: int = option(0, help="seed of the engine's sampling for requests that set none, "
