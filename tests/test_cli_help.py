@@ -1,9 +1,13 @@
 """The command line's help and reach: every flag of every subcommand has help that shows its
-default, and `generate` takes every engine option `serve` takes."""
+default, `generate` takes every engine option `serve` takes, and `asyncinfer models` lists
+the cache without loading torch."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,3 +72,16 @@ def test_generate_takes_every_engine_option_serve_takes() -> None:
     assert {a.dest: a.option_strings for a in generate._actions if a.dest in names} == flags
     assert "--policy" in flags["policy"] and "--policy-opt" in flags["policy_options"]
 
+
+def test_models_lists_the_cache_without_loading_torch(tmp_path: Any) -> None:
+    """In a fresh interpreter: `asyncinfer models` prints the cache, and torch is not in
+    sys.modules after it."""
+    code = ("import sys; from asyncinfer.cli import main; code = main(['models']); "
+            "print('torch loaded' if 'torch' in sys.modules else 'no torch'); sys.exit(code)")
+    env = {**os.environ, "ASYNCINFER_CACHE": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"cache: {tmp_path / 'models'}" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "no torch", done.stdout
