@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -85,3 +86,20 @@ def test_models_lists_the_cache_without_loading_torch(tmp_path: Any) -> None:
     assert done.returncode == 0, done.stderr
     assert f"cache: {tmp_path / 'models'}" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == "no torch", done.stdout
+
+
+@pytest.mark.slow
+def test_generate_runs_under_the_policy_and_options_it_is_given(
+        smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`generate --policy decode_first --policy-opt max_decode_rounds=2` completes the
+    prompt (greedy: the embedded model names Paris); an option the policy lacks is refused
+    by name, exit status 2."""
+    from asyncinfer.cli import main
+
+    prompt = "The capital of France is"
+    assert main(["generate", prompt, "--max-tokens", "4", "--policy", "decode_first",
+                 "--policy-opt", "max_decode_rounds=2", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.startswith(f"{prompt} Paris")
+    assert main(["generate", prompt, "--policy", "decode_first", "--policy-opt",
+                 "aging=1"]) == 2
+    assert "'aging'" in capsys.readouterr().err
