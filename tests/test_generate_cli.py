@@ -106,7 +106,7 @@ def _subparser(*path: str) -> typing.Any:
 @pytest.mark.parametrize("command, left_out", [
     (("serve",), set()), (("bench", "offline"), set()), (("benchmarks", "offline"), set()),
     (("benchmarks", "decode"), set()),
-    (("generate",), {"seed", "policy", "policy_options"}),
+    (("generate",), set()),
 ])
 def test_commands_take_the_engine_options_from_the_config(
     command: tuple[str, ...], left_out: set[str],
@@ -150,10 +150,12 @@ def test_boolean_options_take_both_spellings_and_given_flags_build_a_valid_confi
         parser.parse_args(["serve", "--cache-type", "lru"])
 
 
-def test_generate_seed_is_the_requests_not_the_engines() -> None:
-    args = build_parser().parse_args(["generate", "hi", "--seed", "3", "--no-overlap"])
-    assert args.seed == 3
-    assert engine_options(args) == {"overlap": False}
+def test_generate_takes_the_engines_seed_and_policy() -> None:
+    args = build_parser().parse_args(["generate", "hi", "--seed", "3", "--no-overlap",
+                                      "--policy", "decode_first", "--policy-opt",
+                                      "max_decode_rounds=2"])
+    assert engine_options(args) == {"seed": 3, "overlap": False, "policy": "decode_first",
+                                    "policy_options": {"max_decode_rounds": 2}}
 
 
 def test_a_malformed_policy_option_is_a_config_error() -> None:

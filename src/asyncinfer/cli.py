@@ -21,9 +21,9 @@ def _generate(args: argparse.Namespace) -> int:
     from asyncinfer.api import LLM
     from asyncinfer.params import SamplingParams
 
+    # No seed of its own: the engine's (--seed) seeds a request that sets none.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            stop=args.stop)
+                            top_p=args.top_p, top_k=args.top_k, stop=args.stop)
     llm = LLM(**{**GENERATE_DEFAULTS, **engine_options(args)})
     assert llm.tokenizer is not None
     if args.chat:
@@ -67,12 +67,36 @@ def _policies(args: argparse.Namespace) -> int:
     return 0
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends every flag's text with its default, where the text does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.default is argparse.SUPPRESS
+                or "default" in text.lower()):
+            return text
+        return f"{text} (default: {_shown(action.default)})".replace("%", "%%") if text else (
+            f"(default: {_shown(action.default)})")
+
+
+def _shown(default: object) -> str:
+    if default is None:
+        return "none"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, (list, tuple)):
+        return " ".join(map(str, default)) or "none"
+    return str(default)
+
+
 class Parser(argparse.ArgumentParser):
-    """A parser that takes no abbreviated flag (``--max-token`` is not ``--max-tokens-limit``)
-    and answers an unknown one with its subcommand's usage and the closest flag it has."""
+    """A parser that takes no abbreviated flag (``--max-token`` is not ``--max-tokens-limit``),
+    answers an unknown one with its subcommand's usage and the closest flag it has, and
+    shows every flag's default; its subcommands' parsers are of the same class."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
 
     def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
@@ -110,18 +134,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
 
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("prompt", help="the text to complete (with --chat: the user's message)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="output tokens at most")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="sample from the smallest set of tokens whose probability reaches "
+                          "this (1: all)")
+    gen.add_argument("--top-k", type=int, default=-1,
+                     help="sample from the k most likely tokens (-1: all)")
+    gen.add_argument("--stop", action="append", default=None,
+                     help="stop when the output spells this string (repeatable)")
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt in the model's chat template as a user message")
-    # One request: nothing to schedule; --seed above is the request's, not the engine's.
-    add_engine_arguments(gen, exclude=("seed", "policy", "policy_options"),
-                         title=ENGINE_OPTIONS,
+    # The engine options are serve's, every one (--seed seeds the one request's sampling).
+    add_engine_arguments(gen, title=ENGINE_OPTIONS,
                          defaults_here={k: str(v) for k, v in GENERATE_DEFAULTS.items()})
     gen.set_defaults(func=_generate, check=_check_generate)
 

@@ -285,10 +285,12 @@ class EngineConfig:
     kv_cache_gb: float | None = option(
         None, check=_above_zero,
         help="KV cache size in GiB",
-        means="2 on CPU; on CUDA what gpu_memory_utilization leaves after weights and "
-              "activations")
+        means="on CPU room for max_running_requests sequences of max_seq_len, at most an "
+              "eighth of the memory available; on CUDA what gpu_memory_utilization leaves "
+              "after weights and activations")
     num_pages: int | None = option(None, check=_positive,
-                                   help="KV cache size in pages (overrides kv_cache_gb)")
+                                   help="KV cache size in pages (overrides kv_cache_gb)",
+                                   means="from kv_cache_gb")
     seed: int = option(0, help="seed of the engine's sampling for requests that set none, "
                                "and of dummy weights")
     cache_type: CacheType = option("radix", choices=CacheType,
@@ -341,7 +343,8 @@ class EngineConfig:
                          help="scheduling policy (see `asyncinfer policies`)")
     policy_options: Mapping[str, Any] = option(
         factory=dict, converter=_read_only, hash=False, flag="--policy-opt", pairs=True,
-        help="an option of the policy (repeatable), e.g. --policy-opt aging=0.5")
+        help="an option of the policy (repeatable), e.g. --policy-opt aging=0.5",
+        means="the policy's own")
     overlap: bool = option(True, help="schedule the next batch while one runs")
 
     @property

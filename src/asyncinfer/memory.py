@@ -6,6 +6,8 @@ import ctypes
 import ctypes.util
 import functools
 import math
+import mmap
+import os
 import sys
 
 import torch
@@ -42,6 +44,44 @@ def empty_huge(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor
     start = -raw.data_ptr() % HUGE_PAGE
     madvise(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)
     return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in fresh anonymous memory (huge pages asked for), which the kernel
+    commits page by page as it is first written: an idle KV pool holds no memory."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = mmap.mmap(-1, max(1, nbytes + HUGE_PAGE))  # anonymous: zero-filled, lazily backed
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds ``buf`` as long as it lives
+    start = -raw.data_ptr() % HUGE_PAGE
+    madvise = _madvise()
+    if madvise is not None and nbytes >= HUGE_PAGE:
+        madvise(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)
+    return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still take: the system's MemAvailable, less where a cgroup's
+    limit leaves less; None where neither is known."""
+    known: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            line = next((line for line in f if line.startswith("MemAvailable:")), None)
+        if line is not None:
+            known.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v2: this process's group, its limit and its use
+        with open("/proc/self/cgroup") as f:
+            group = next(line for line in f if line.startswith("0::")).strip()[3:]
+        root = os.path.join("/sys/fs/cgroup", group.lstrip("/"))
+        with open(os.path.join(root, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open(os.path.join(root, "memory.current")) as f:
+                known.append(max(0, int(limit) - int(f.read())))
+    except (OSError, StopIteration, ValueError):
+        pass
+    return min(known) if known else None
 
 
 class Slab:

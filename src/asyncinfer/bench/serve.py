@@ -211,7 +211,8 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                       help="one arrival process per tenant at its own rate (requests/s), "
                            "merged in time order until --num-requests; each request is "
                            "sent for its tenant (see --tenants)")
-    parser.add_argument("--num-requests", type=argtypes.positive_int, default=64)
+    parser.add_argument("--num-requests", type=argtypes.positive_int, default=64,
+                        help="requests to send")
     parser.add_argument("--workload", choices=WORKLOADS, default="uniform",
                         help="lengths: uniform (--input-len, --input-len-range ...), or chat: "
                              "lognormal, fitted to ShareGPT's means (prompt 161, output 338 "

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +22,14 @@ from asyncinfer.processes import describe_exit, has_exited
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT = 300.0   # seconds for every rank to join the group
+# A rank's exit status when its start re-ran the user's script up to another start of ranks
+# (sysexits' EX_CONFIG): the script lacks its main guard.
+REENTERED = 78
+NO_MAIN_GUARD = ("{script} starts the engine as it is imported, and each tensor-parallel rank "
+                 "imports it (a spawned process does): put the code that starts the engine "
+                 "under `if __name__ == \"__main__\":`")
 STOP_TIMEOUT = 30.0     # seconds a rank gets to stop once told to, before it is killed
+RANK_NAME = "asyncinfer-tp"  # a started rank's process name, less its number
 LEAVE_TIMEOUT = 20.0    # seconds the ranks get to leave the group together, before abort
 
 
@@ -43,11 +51,12 @@ class Ranks:
                args: tuple[Any, ...]) -> Ranks:
         """Start ranks 1..size-1 running ``entry(rank, *args)`` and join their group as rank
         0; a rank that exits before the group forms is an EngineError naming it."""
+        _refuse_reentry()
         import torch.distributed as dist
 
         port = _free_port()
         spawn = multiprocessing.get_context("spawn")
-        processes = [spawn.Process(target=_rank_main, name=f"asyncinfer-tp{rank}", daemon=True,
+        processes = [spawn.Process(target=_rank_main, name=f"{RANK_NAME}{rank}", daemon=True,
                                    args=(rank, size, port, backend, os.getpid(), entry, args))
                      for rank in range(1, size)]
         ranks = cls(processes)
@@ -70,6 +79,8 @@ class Ranks:
             while joining.is_alive():
                 joining.join(0.1)
                 gone = ranks.lost()
+                if gone and REENTERED in (p.exitcode for p in processes):
+                    raise EngineError(_no_main_guard())
                 if gone:
                     raise EngineError(f"tensor-parallel {gone} while the ranks started")
                 if time.monotonic() > deadline:
@@ -151,6 +162,22 @@ def _quietly(call: Callable[[], object]) -> None:
         call()
     except Exception:
         logger.debug("%s failed", call, exc_info=True)
+
+
+def _refuse_reentry() -> None:
+    """In a process still importing its parent's main script (spawn re-runs it as
+    ``__mp_main__``), starting ranks is that script lacking its main guard: a rank of ours
+    exits with REENTERED for its parent to say so; another process gets the EngineError."""
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    if multiprocessing.current_process().name.startswith(RANK_NAME):
+        os._exit(REENTERED)
+    raise EngineError(_no_main_guard())
+
+
+def _no_main_guard() -> str:
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    return NO_MAIN_GUARD.format(script=f"the script {script}" if script else "the main script")
 
 
 def _free_port() -> int:

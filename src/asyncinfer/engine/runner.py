@@ -28,11 +28,12 @@ from asyncinfer.engine.sampler import Sampler
 from asyncinfer.errors import ConfigError
 from asyncinfer.kernels.cpu import NativeKernels
 from asyncinfer.kernels.cpu import load as load_cpu_kernels
-from asyncinfer.kvcache.pool import KVPool
+from asyncinfer.kvcache.pool import KVPool, cpu_kv_budget
 from asyncinfer.layers.fused import LayerOps
 from asyncinfer.layers.linear import can_pack
 from asyncinfer.layers.packing import pack_for_cpu, use_fp32_shadows
 from asyncinfer.layers.rotary import RotaryEmbedding
+from asyncinfer.memory import available_memory
 from asyncinfer.models import build_model, check_model
 from asyncinfer.models.base import CausalLM
 from asyncinfer.models.weights import init_dummy, iter_safetensors
@@ -138,8 +139,9 @@ class ModelRunner:
                 with torch.cuda.stream(self.stream):
                     self.graphs.capture()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("%sweights %s; KV cache: %d pages of %d tokens (%d tokens, %s)"
-                    "%s; %s attention, CUDA graphs: decode %s, prefill %s",
+        logger.info("%sweights %s; KV cache: %d pages of %d tokens (%d tokens, %s; "
+                    "kv_cache_gb or num_pages sets it)%s; %s attention, CUDA graphs: "
+                    "decode %s, prefill %s",
                     f"rank {self.tp.rank} of {self.tp.size} on {self.device}: "
                     if self.tp.size > 1 else "", _size(weights), self.num_pages, page,
                     self.num_pages * page,
@@ -210,7 +212,9 @@ class ModelRunner:
         elif self.device.type == "cuda":
             budget = cuda_kv_budget(self.device, self.config.gpu_memory_utilization)
         else:
-            budget = 2 * 2**30
+            budget = cpu_kv_budget(self.shard_config.kv_bytes_per_token(self.kv_dtype),
+                                   self.context_len, self.config.max_running_requests,
+                                   available_memory())
         return max(1, budget // per_page - extra_pages)
 
     def write_prompt(self, row: int, token_ids: Sequence[int]) -> None:

@@ -4,7 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from asyncinfer.memory import empty_huge
+from asyncinfer.memory import zeros_huge
+
+# The share of the memory available at start-up that the CPU pool may take by default.
+CPU_MEMORY_SHARE = 0.125
+
+
+def cpu_kv_budget(bytes_per_token: int, context_len: int, max_running_requests: int,
+                  available: int | None) -> int:
+    """Bytes of a CPU KV pool left unsized: room for ``max_running_requests`` sequences of
+    ``context_len`` tokens, at most CPU_MEMORY_SHARE of ``available`` bytes (unknown: 2 GiB),
+    but room for one whole sequence where half of ``available`` holds it."""
+    wanted = bytes_per_token * context_len * max_running_requests
+    if available is None:
+        return min(wanted, 2 * 2**30)
+    one = min(bytes_per_token * context_len, available // 2)
+    return min(wanted, max(int(CPU_MEMORY_SHARE * available), one))
 
 
 class KVPool:
@@ -17,9 +32,9 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        if device.type == "cpu":  # read end to end by every decode step: huge pages
-            self.k = empty_huge(shape, dtype).zero_()
-            self.v = empty_huge(shape, dtype).zero_()
+        if device.type == "cpu":  # huge pages, and memory committed only as pages fill
+            self.k = zeros_huge(shape, dtype)
+            self.v = zeros_huge(shape, dtype)
         else:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)

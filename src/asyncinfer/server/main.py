@@ -323,7 +323,8 @@ def banner(info: CoreInfo, url: str, served_name: str | None = None,
         f"  policy    {info.policy}",
         f"  parallel  tp {info.tp_size}, dp 1{fronts}",
         f"  KV cache  {info.kv_pages_total} pages of {info.page_size} tokens = {tokens} "
-        f"tokens; context {info.context_len} tokens",
+        f"tokens; context {info.context_len} tokens (--kv-cache-gb or --num-pages to "
+        "change)",
         f"  API       {url}/v1 (OpenAI: /v1/completions, /v1/chat/completions), "
         f"{url}/health, {url}/metrics",
     ])
