@@ -70,8 +70,9 @@ def _tree(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fp32_compute", ["auto", "on"])  # on: as a CPU without bf16 units
 def test_an_idle_server_of_the_embedded_model_holds_under_one_and_a_half_gb(
-        smollm2_dir: Path) -> None:
+        smollm2_dir: Path, fp32_compute: str) -> None:
     """`asyncinfer serve` with its defaults on CPU, once /health answers 200: the resident
     memory of the server and every process below it sums to under 1.5 GB; the banner's KV
     line names the flags that size the pool."""
@@ -79,7 +80,8 @@ def test_an_idle_server_of_the_embedded_model_holds_under_one_and_a_half_gb(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "asyncinfer.cli", "serve", "--port",
-                               str(port), "--device", "cpu"], env=os.environ.copy(),
+                               str(port), "--device", "cpu", "--cpu-fp32-compute",
+                               fp32_compute], env=os.environ.copy(),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300

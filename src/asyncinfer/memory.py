@@ -32,6 +32,18 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
+def return_free_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc): loading weights leaves
+    freed copies there that would otherwise stay resident for the process's life."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def empty_huge(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor whose whole 2 MiB pages are asked to be huge pages (made
     as it is first written)."""

@@ -31,9 +31,9 @@ from asyncinfer.kernels.cpu import load as load_cpu_kernels
 from asyncinfer.kvcache.pool import KVPool, cpu_kv_budget
 from asyncinfer.layers.fused import LayerOps
 from asyncinfer.layers.linear import can_pack
-from asyncinfer.layers.packing import pack_for_cpu, use_fp32_shadows
+from asyncinfer.layers.packing import pack_for_cpu, use_fp32_shadows, weight_bytes
 from asyncinfer.layers.rotary import RotaryEmbedding
-from asyncinfer.memory import available_memory
+from asyncinfer.memory import available_memory, return_free_heap
 from asyncinfer.models import build_model, check_model
 from asyncinfer.models.base import CausalLM
 from asyncinfer.models.weights import init_dummy, iter_safetensors
@@ -89,6 +89,7 @@ class ModelRunner:
         kernels = (load_cpu_kernels() if self.device.type == "cpu" and config.cpu_kernels
                    else None)
         self.model = self._load_model(model_dir, kernels)
+        return_free_heap()
         # With float32 kernels the cache holds half-precision values in float32 (exactly).
         self.kv_dtype = torch.float32 if config.fp32_kernels else self.dtype
         cfg, page = self.shard_config, config.page_size
@@ -138,7 +139,7 @@ class ModelRunner:
             if self.stream is not None:  # nothing is captured off CUDA
                 with torch.cuda.stream(self.stream):
                     self.graphs.capture()
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights = weight_bytes(cast(nn.Module, self.model))
         logger.info("%sweights %s; KV cache: %d pages of %d tokens (%d tokens, %s; "
                     "kv_cache_gb or num_pages sets it)%s; %s attention, CUDA graphs: "
                     "decode %s, prefill %s",

@@ -31,9 +31,12 @@ class Linear(nn.Module):
         self.packed_rows: int | None = None  # above this many rows, the plain weight
 
     def use_fp32_shadow(self) -> None:
-        """Multiply in float32 from now on (call after the weights are final)."""
+        """Multiply in float32 from now on, through a float32 copy that replaces W (call
+        after the weights are final): two copies would cost a third more memory."""
         bias = None if self.bias is None else self.bias.detach().float()
         self.shadow = (self.weight.detach().float(), bias)
+        if self.weight.dtype != torch.float32:
+            self.weight.data = self.weight.data.new_empty(0)
 
     def pack_for_cpu(self, rows_hint: int, keep_plain: bool = True,
                      kernels: NativeKernels | None = None, slab: Slab | None = None) -> None:

@@ -21,6 +21,18 @@ def use_fp32_shadows(model: nn.Module) -> None:
             module.use_fp32_shadow()
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes of ``model``'s parameters and float32 shadows (packed copies not counted)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        shadow = getattr(module, "shadow", None)
+        if isinstance(module, Linear) and shadow is not None:
+            total += sum(t.nbytes for t in shadow if t is not None)
+        elif isinstance(module, TiedHead) and shadow is not None:
+            total += shadow.nbytes
+    return total
+
+
 def pack_for_cpu(model: nn.Module, rows_hint: int, kernels: NativeKernels | None = None) -> None:
     """Run ``model``'s matrix products through packed weights (``kernels``' where it takes
     them, else oneDNN's): beside the plain ones where memory allows, else instead of them.
