@@ -23,6 +23,7 @@ import pytest
 from aiohttp import web
 
 from asyncinfer.bench.client import RequestResult
+from asyncinfer.bench.latency import tbt_gaps, tbt_stats
 from asyncinfer.bench.plan import arrival_schedule, make_requests, plan_hangups, plan_long
 from asyncinfer.bench.report import summarize
 from asyncinfer.bench.scrape import check_drained, parse_gauges
@@ -42,9 +43,10 @@ Gauges = tuple[int, int, int]  # requests_running, requests_waiting, kv_pages_us
 
 
 class FakeServer:
-    """Streams ``max_tokens`` chunks of text, after an empty first chunk (as a chat role
-    chunk), then a usage chunk and [DONE]; ``plan(k)`` picks how the k-th request (from 0)
-    behaves: ok, 500, slow_ttft, slow_tpot, disconnect, error_frame or hang.
+    """Streams ``max_tokens`` tokens of text, ``tokens_per_chunk`` a chunk, after an empty
+    first chunk (as a chat role chunk), then a usage chunk and [DONE]; ``plan(k)`` picks how
+    the k-th request (from 0) behaves: ok, 500, slow_ttft, slow_tpot, disconnect,
+    error_frame or hang.
 
     Records each request's body and X-Tenant header, the prompts of streams finished to
     [DONE], and, for streams the client broke off, the prompt and how many text chunks had
@@ -55,8 +57,10 @@ class FakeServer:
 
     def __init__(self, plan: Callable[[int], str] = lambda k: "ok", usage: bool = True,
                  delay: float = FAST, gauges: list[Gauges] | None = None,
-                 barrier: int = 0, slow_for: tuple[str, ...] = ()) -> None:
+                 barrier: int = 0, slow_for: tuple[str, ...] = (),
+                 tokens_per_chunk: int = 1) -> None:
         self.plan, self.usage, self.delay, self.slow_for = plan, usage, delay, slow_for
+        self.tokens_per_chunk = tokens_per_chunk
         self.counter = itertools.count()
         self.bodies: list[dict[str, Any]] = []
         self.tenant_headers: list[str | None] = []
@@ -124,6 +128,8 @@ class FakeServer:
                 assert request.transport is not None
                 request.transport.close()
                 return response
+            if (i + 1) % self.tokens_per_chunk and i < n - 1:
+                continue  # this token's text goes out with the next ones
             finish = "length" if i == n - 1 else None
             await response.write(_sse({"choices": [{"text": f"t{i} ", "finish_reason": finish}],
                                        "usage": None}))
@@ -196,6 +202,44 @@ def test_latencies_are_positive_and_ordered(tmp_path: Path) -> None:
     for row in report["requests"]:
         assert 0 < row["ttft_ms"] < row["e2e_ms"]
         assert row["tpot_ms"] == pytest.approx((row["e2e_ms"] - row["ttft_ms"]) / 5)
+
+
+def test_tbt_gaps_and_their_percentiles_from_known_chunk_times() -> None:
+    first = tbt_gaps([0.1, 0.2, 0.25, 1.25, 1.3])  # one stall of 1 s
+    second = tbt_gaps([0.0, 0.02, 0.04])
+    assert first == pytest.approx([0.1, 0.05, 1.0, 0.05])
+    assert second == pytest.approx([0.02, 0.02]) and tbt_gaps([0.3]) == []
+    stats = tbt_stats([first, second, []], tokens=12, chunks=8)
+    # Pooled, in ms: 20 20 50 50 100 1000 (numpy's linear interpolation).
+    assert stats["gaps"] == 6
+    assert stats["p50"] == pytest.approx(50) and stats["max"] == pytest.approx(1000)
+    assert stats["p99"] == pytest.approx(100 + 0.95 * 900)
+    assert stats["mean"] == pytest.approx(1240 / 6)
+    # Each request's own P99: 100 + 0.97 * 900 = 973, and 20; the third has no gap.
+    own = stats["per_request_p99"]
+    assert own["max"] == pytest.approx(973) and own["mean"] == pytest.approx((973 + 20) / 2)
+    assert own["p99"] == pytest.approx(20 + 0.99 * 953)
+    assert stats["tokens_per_chunk"] == 1.5
+    assert tbt_stats([])["p99"] is None and tbt_stats([])["tokens_per_chunk"] is None
+
+
+@pytest.mark.parametrize("per_chunk", [1, 2])
+def test_tbt_counts_a_gap_per_chunk_and_the_tokens_chunks_held(
+        tmp_path: Path, per_chunk: int, capsys: pytest.CaptureFixture[str]) -> None:
+    status, report = bench(FakeServer(tokens_per_chunk=per_chunk), tmp_path, "--concurrency",
+                           "3", "--num-requests", "4", "--output-len", "6")
+    assert status == 0
+    chunks = 6 // per_chunk
+    tbt = report["tbt_ms"]
+    assert tbt["gaps"] == 4 * (chunks - 1) and tbt["tokens_per_chunk"] == per_chunk
+    assert 0 < tbt["p50"] <= tbt["p99"] <= tbt["max"]
+    assert 0 < tbt["per_request_p99"]["p50"] <= tbt["max"]
+    for row in report["requests"]:
+        assert row["chunks"] == chunks and row["output_tokens"] == 6
+        assert 0 < row["tbt_p50_ms"] <= row["tbt_p99_ms"] <= row["tbt_max_ms"]
+    out = capsys.readouterr().out
+    assert any(line.startswith("TBT p99/req ") for line in out.splitlines())
+    assert ("chunks held 2.00 tokens" in out) == (per_chunk == 2)
 
 
 def test_output_tokens_are_counted_from_chunks_without_usage(tmp_path: Path) -> None:
