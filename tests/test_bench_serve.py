@@ -725,8 +725,41 @@ def test_bad_workload_flags_are_argparse_errors(options: list[str], message: str
     assert message in capsys.readouterr().err
 
 
+def test_the_long_chat_workload_reaches_the_server_and_is_reported_by_class(
+        tmp_path: Path) -> None:
+    server = FakeServer(delay=0)
+    status, report = bench(server, tmp_path, "--concurrency", "4", "--num-requests", "10",
+                           "--workload", "long-chat", "--long-input-range", "40,50",
+                           "--input-len-range", "4,8", "--output-len-range", "3,4",
+                           "--long-output-range", "1,2", "--seed", "5")
+    assert status == 0
+    lengths = sorted(len(b["prompt"]) for b in server.bodies)
+    assert all(4 <= n <= 8 for n in lengths[:8]) and all(40 <= n <= 50 for n in lengths[8:])
+    classes = report["groups"]["class"]
+    assert (classes["long"]["completed"], classes["short"]["completed"]) == (2, 8)
+    assert classes["short"]["tbt_ms"]["gaps"] > 0
+    p = report["params"]
+    assert p["workload_spec"]["long_input"] == {"dist": "uniform", "lo": 40, "hi": 50}
+    assert p["long_fraction"] == 0.2 and p["input_len"][1] <= 50
+
+
+def test_the_prefix_share_workload_sends_its_shared_prefixes(tmp_path: Path) -> None:
+    server = FakeServer(delay=0)
+    status, report = bench(server, tmp_path, "--concurrency", "3", "--num-requests", "6",
+                           "--workload", "prefix-share", "--prefix-groups", "2",
+                           "--prefix-len", "20", "--output-len-range", "2,2")
+    assert status == 0 and report["completed"] == 6
+    shared = Counter(tuple(b["prompt"][:20]) for b in server.bodies)
+    assert sorted(shared.values()) == [3, 3]  # two system prompts, three requests each
+    assert report["params"]["prefix_groups"] == 2 and report["params"]["prefix_len"] == 20
+
+
 @pytest.mark.parametrize(("options", "message"), [
     (["--input-mean", "40"], "--input-mean set the means of --workload chat"),
+    (["--workload", "long-chat", "--prefix-groups", "2"], "does not read --prefix-groups"),
+    (["--workload", "prefix-share", "--long-fraction", "0.1"], "does not read --long-fract"),
+    (["--long-input-range", "5,9"], "--workload uniform does not read --long-input-range"),
+    (["--workload", "prefix-share", "--prefix-groups", "0"], "--prefix-groups of 1 or more"),
     (["--workload", "chat", "--input-len", "9"], "drop --input-len"),
     (["--tenants", "A:1", "--tenant-rates", "A:1"], "not both"),
     (["--arrival", "gamma", "--rate", "3"], "--arrival gamma needs --burstiness"),

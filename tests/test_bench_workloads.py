@@ -17,7 +17,13 @@ from typing import Any
 import pytest
 
 from asyncinfer.bench.client import RequestResult
-from asyncinfer.bench.plan import arrival_schedule, label_requests, make_requests, plan_long
+from asyncinfer.bench.plan import (
+    TOKEN_IDS,
+    arrival_schedule,
+    label_requests,
+    make_requests,
+    plan_long,
+)
 from asyncinfer.bench.service import (
     TenantTrace,
     cumulative,
@@ -38,6 +44,7 @@ from asyncinfer.bench.traffic import (
     tenant_arrivals,
     tenant_name,
 )
+from asyncinfer.bench.workloads import LongChat, PrefixShare
 
 
 def gaps(times: list[float]) -> list[float]:
@@ -206,6 +213,38 @@ def test_long_prompts_are_a_seeded_share_made_k_times_longer() -> None:
 
 
 # --- Specs ------------------------------------------------------------------------------------
+
+def test_long_chat_mixes_a_seeded_share_of_long_prompts_among_chats() -> None:
+    specs = LongChat().requests(50, seed=1)
+    assert specs == LongChat().requests(50, seed=1)
+    assert specs != LongChat().requests(50, seed=2)
+    long = [s for s in specs if s.long]
+    short = [s for s in specs if not s.long]
+    assert len(long) == 10  # round(0.2 * 50), exactly
+    assert all(1024 <= len(s.prompt) <= 2048 and 16 <= s.output_len <= 64 for s in long)
+    assert all(32 <= len(s.prompt) <= 128 and 64 <= s.output_len <= 192 for s in short)
+    assert all(TOKEN_IDS[0] <= t < TOKEN_IDS[1] for s in specs for t in s.prompt)
+    # Not bunched: the long ones are spread over the run.
+    positions = [i for i, s in enumerate(specs) if s.long]
+    assert positions[0] < 25 <= positions[-1]
+    assert sum(s.long for s in LongChat(long_fraction=0.5).requests(8, seed=0)) == 4
+
+
+def test_prefix_share_spreads_requests_evenly_over_a_few_system_prompts() -> None:
+    workload = PrefixShare(groups=3, prefix_len=50)
+    specs = workload.requests(30, seed=0)
+    assert specs == workload.requests(30, seed=0)
+    prefixes = workload.prefixes(seed=0)
+    assert len(set(prefixes)) == 3 and all(len(p) == 50 for p in prefixes)
+    groups = workload.group_of(30, seed=0)
+    assert Counter(groups) == {0: 10, 1: 10, 2: 10}
+    assert groups != [i % 3 for i in range(30)]  # a seeded order, not in turn
+    for spec, group in zip(specs, groups):
+        assert spec.prompt[:50] == prefixes[group]
+        assert 16 <= len(spec.prompt) - 50 <= 64 and 32 <= spec.output_len <= 96
+    assert len({s.prompt[50:] for s in specs}) == 30  # each its own question
+    assert workload.requests(30, seed=1)[0].prompt[:50] not in prefixes
+
 
 def test_mix_specs_parse_names_and_numbers() -> None:
     assert parse_mix("A:0.8,B:0.2", tenant_name, "share") == {"A": 0.8, "B": 0.2}

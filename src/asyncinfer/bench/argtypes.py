@@ -18,6 +18,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def at_least_int(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text}")
+        return value
+
+    return parse
+
+
 def above_zero(what: str) -> Callable[[str], float]:
     """An argparse type: a number > 0 (``inf`` included), ``what`` naming it in the error."""
 

@@ -35,7 +35,14 @@ from asyncinfer.bench.traffic import (
     tenant_arrivals,
     tenant_name,
 )
+from asyncinfer.bench.workloads import (
+    NAMED_WORKLOADS,
+    check_workload_flags,
+    workload_from_flags,
+)
 from asyncinfer.errors import AsyncInferError
+
+DEFAULT_LONG_FACTOR = 30.0  # of --long-fraction
 
 # The --help text.
 DESCRIPTION = """\
@@ -45,7 +52,9 @@ Requests of random token ids (EOS ignored, so each yields exactly its output len
 as a seeded Poisson or gamma (bursty) process (``--rate``, ``--arrival``), one per tenant
 (``--tenant-rates``), or from closed-loop workers (``--concurrency``). Lengths are uniform or
 follow a named workload (``--workload chat``: lognormal, fitted to ShareGPT's published
-means); a share of the prompts can be made much longer (``--long-fraction``). Requests carry
+means; ``long-chat``: long prompts among streaming chats; ``prefix-share``: a few long system
+prompts shared by many requests); a share of the prompts can be made much longer
+(``--long-fraction``). Requests carry
 a tenant (``--tenants``: the OpenAI ``user`` field and an ``X-Tenant`` header) and a
 ``priority`` (``--priorities``) drawn per request. TTFT, ITL, TPOT and end-to-end latency are
 measured client-side from the streamed chunks, for the whole run and per tenant, priority and
@@ -72,6 +81,7 @@ def _check_options(args: argparse.Namespace) -> None:
     if args.workload == "chat" and fixed:
         raise AsyncInferError(f"--workload chat draws its own lengths: drop "
                               f"{' and '.join(fixed)}, or set --input-mean/--output-mean")
+    check_workload_flags(args)
     if args.tenants and args.tenant_rates:
         raise AsyncInferError("give --tenants (shares of one arrival process) or "
                               "--tenant-rates (a process per tenant), not both")
@@ -99,12 +109,15 @@ def plan_run(args: argparse.Namespace
              ) -> tuple[list[RequestSpec], list[float] | None, list[str] | None, float]:
     """The requests the flags ask for, their send times (None: a closed loop), their tenants
     (None: untenanted) and the total rate."""
-    input_dist, output_dist = workload_lengths(args)
-    specs = make_requests(args.num_requests, input_dist, output_dist, args.seed,
-                          args.prefix_groups, args.prefix_len)
-    if args.long_fraction:
-        specs = plan_long(specs, args.long_fraction, args.long_factor, args.seed,
-                          args.max_input_len)
+    if args.workload in NAMED_WORKLOADS:
+        specs = workload_from_flags(args).requests(args.num_requests, args.seed)
+    else:
+        input_dist, output_dist = workload_lengths(args)
+        specs = make_requests(args.num_requests, input_dist, output_dist, args.seed,
+                              args.prefix_groups or 0, args.prefix_len or 0)
+        if args.long_fraction:
+            specs = plan_long(specs, args.long_fraction, _long_factor(args), args.seed,
+                              args.max_input_len)
     if args.hangup_fraction:
         specs = plan_hangups(specs, args.hangup_fraction, args.seed)
     burstiness = args.burstiness or 1.0
@@ -125,6 +138,31 @@ def plan_run(args: argparse.Namespace
     return label_requests(specs, tenants, priorities), schedule, tenants, rate
 
 
+def _long_factor(args: argparse.Namespace) -> float:
+    return DEFAULT_LONG_FACTOR if args.long_factor is None else args.long_factor
+
+
+def _length_params(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str, Any]:
+    """The report's record of the lengths: the distributions, or the named workload's."""
+    if args.workload in NAMED_WORKLOADS:
+        workload = workload_from_flags(args)
+        prompts, outputs = [len(s.prompt) for s in specs], [s.output_len for s in specs]
+        return {"input_len": [min(prompts), max(prompts)] if specs else None,
+                "output_len": [min(outputs), max(outputs)] if specs else None,
+                "input_dist": None, "output_dist": None, "workload_spec": workload.describe(),
+                "long_fraction": getattr(workload, "long_fraction", None), "long_factor": None,
+                "prefix_groups": getattr(workload, "groups", None),
+                "prefix_len": getattr(workload, "prefix_len", None)}
+    input_dist, output_dist = workload_lengths(args)
+    long = bool(args.long_fraction)
+    return {"input_len": [input_dist.lo, input_dist.hi],
+            "output_len": [output_dist.lo, output_dist.hi],
+            "input_dist": input_dist.describe(), "output_dist": output_dist.describe(),
+            "workload_spec": None, "long_fraction": args.long_fraction or 0.0,
+            "long_factor": _long_factor(args) if long else None,
+            "prefix_groups": args.prefix_groups or 0, "prefix_len": args.prefix_len or 0}
+
+
 def main(args: argparse.Namespace) -> int:
     """`asyncinfer bench serve`: run the load, check the server drained (see ``--check-drained``),
     print the table, write ``--json``; exit status 1 when no kept request completed, or when
@@ -132,7 +170,6 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     _check_options(args)
-    input_dist, output_dist = workload_lengths(args)
     specs, schedule, tenants, rate = plan_run(args)
     check = args.check_drained if args.check_drained is not None else args.hangup_fraction > 0
     base = args.url.rstrip("/")
@@ -154,18 +191,13 @@ def main(args: argparse.Namespace) -> int:
     params = {"url": base, "model": model, "policy": args.policy, "load": load,
               "rate": rate if load in ("poisson", "gamma") else None,
               "concurrency": args.concurrency, "num_requests": args.num_requests,
-              "workload": args.workload, "input_len": [input_dist.lo, input_dist.hi],
-              "output_len": [output_dist.lo, output_dist.hi],
-              "input_dist": input_dist.describe(), "output_dist": output_dist.describe(),
+              "workload": args.workload, **_length_params(args, specs),
               "arrival": args.arrival, "burstiness": args.burstiness,
               "tenants": args.tenants, "tenant_rates": args.tenant_rates,
               "priorities": (None if args.priorities is None else
                              {str(k): v for k, v in args.priorities.items()}),
-              "long_fraction": args.long_fraction,
-              "long_factor": args.long_factor if args.long_fraction else None,
-              "max_input_len": args.max_input_len if args.long_fraction else None,
-              "prefix_groups": args.prefix_groups,
-              "prefix_len": args.prefix_len, "prompt_format": "text" if text else "ids",
+              "max_input_len": args.max_input_len,
+              "prompt_format": "text" if text else "ids",
               "seed": args.seed, "slo_ttft_ms": args.slo_ttft_ms,
               "slo_tpot_ms": args.slo_tpot_ms, "timeout_s": args.timeout,
               "hangup_fraction": args.hangup_fraction, "check_drained": check,
@@ -212,10 +244,18 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                            "merged in time order until --num-requests; each request is "
                            "sent for its tenant (see --tenants)")
     parser.add_argument("--num-requests", type=argtypes.positive_int, default=64)
-    parser.add_argument("--workload", choices=WORKLOADS, default="uniform",
+    parser.add_argument("--workload", choices=(*WORKLOADS, *NAMED_WORKLOADS),
+                        default="uniform",
                         help="lengths: uniform (--input-len, --input-len-range ...), or chat: "
                              "lognormal, fitted to ShareGPT's means (prompt 161, output 338 "
-                             "tokens; see docs/workloads.md). Default uniform")
+                             "tokens; see docs/workloads.md); long-chat: a --long-fraction "
+                             "(0.2) of prompts of --long-input-range (1024,2048) tokens and "
+                             "--long-output-range (16,64) outputs among chats of "
+                             "--input-len-range (32,128) and --output-len-range (64,192); "
+                             "prefix-share: --prefix-groups (4) system prompts of "
+                             "--prefix-len (1024) tokens shared evenly, each followed by "
+                             "--input-len-range (16,64) tokens, outputs of "
+                             "--output-len-range (32,96). Default uniform")
     parser.add_argument("--input-mean", type=argtypes.above_zero("tokens"), default=None,
                         help="--workload chat: the prompts' mean length before clipping")
     parser.add_argument("--output-mean", type=argtypes.above_zero("tokens"), default=None,
@@ -228,9 +268,9 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-format", choices=["ids", "text"], default=None,
                         help="send prompts as token ids, or as words (about a token each) "
                              "(default: text through a router, which refuses ids; else ids)")
-    parser.add_argument("--prefix-groups", type=int, default=0,
+    parser.add_argument("--prefix-groups", type=argtypes.at_least_int(0), default=None,
                         help="requests share this many prompt prefixes, in turn (0: none)")
-    parser.add_argument("--prefix-len", type=int, default=0,
+    parser.add_argument("--prefix-len", type=argtypes.at_least_int(0), default=None,
                         help="tokens of each shared prefix, before each request's own "
                              "--input-len")
     parser.add_argument("--input-len-range", type=argtypes.length_range, default=None,
@@ -256,12 +296,17 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                         help="each request's integer 'priority' field (lower runs first with "
                              "the priority policy), drawn with these shares; reports per "
                              "priority")
-    parser.add_argument("--long-fraction", type=argtypes.share, default=0.0, metavar="F",
+    parser.add_argument("--long-fraction", type=argtypes.share, default=None, metavar="F",
                         help="this share of the requests (a seeded choice) get prompts "
                              "--long-factor times as long; reports long and short apart. "
                              "Default 0")
-    parser.add_argument("--long-factor", type=argtypes.at_least(1), default=30.0, metavar="K",
-                        help="how many times longer a long prompt is (default 30)")
+    parser.add_argument("--long-factor", type=argtypes.at_least(1), default=None, metavar="K",
+                        help=f"how many times longer a long prompt is (default "
+                             f"{DEFAULT_LONG_FACTOR:g})")
+    parser.add_argument("--long-input-range", type=argtypes.length_range, default=None,
+                        metavar="LO,HI", help="--workload long-chat: its long prompts' lengths")
+    parser.add_argument("--long-output-range", type=argtypes.length_range, default=None,
+                        metavar="LO,HI", help="--workload long-chat: its long requests' outputs")
     parser.add_argument("--max-input-len", type=argtypes.positive_int, default=None,
                         help="the longest a long prompt may be made (keep prompt and output "
                              "within the model's context)")
