@@ -27,6 +27,7 @@ from asyncinfer.bench.latency import tbt_gaps, tbt_stats
 from asyncinfer.bench.plan import arrival_schedule, make_requests, plan_hangups, plan_long
 from asyncinfer.bench.report import summarize
 from asyncinfer.bench.scrape import check_drained, parse_gauges
+from asyncinfer.bench.search import Slo, bisect_rates
 from asyncinfer.bench.serve import add_parser, main, plan_run
 from asyncinfer.bench.traffic import chat, draw_labels, tenant_arrivals
 from asyncinfer.errors import AsyncInferError
@@ -240,6 +241,76 @@ def test_tbt_counts_a_gap_per_chunk_and_the_tokens_chunks_held(
     out = capsys.readouterr().out
     assert any(line.startswith("TBT p99/req ") for line in out.splitlines())
     assert ("chunks held 2.00 tokens" in out) == (per_chunk == 2)
+
+
+def test_bisection_finds_the_threshold_of_a_monotone_probe() -> None:
+    asked: list[float] = []
+
+    def below(threshold: float) -> Callable[[float], bool]:
+        def meets(rate: float) -> bool:
+            asked.append(rate)
+            return rate <= threshold
+        return meets
+
+    found = bisect_rates(below(3.7), 1.0, 10.0, max_probes=8)
+    assert [rate for rate, _ in found["probes"]] == asked and len(asked) == 8
+    assert asked[:4] == [1.0, 10.0, 5.5, 3.25]  # lo, hi, then midpoints
+    assert found["capacity"] <= 3.7 < found["missed"]
+    assert found["missed"] - found["capacity"] == pytest.approx(9 / 2**6)
+    assert all(met == (rate <= 3.7) for rate, met in found["probes"])
+    asked.clear()
+    assert bisect_rates(below(0.5), 1.0, 10.0, 8) == {
+        "capacity": None, "missed": 1.0, "probes": [(1.0, False)]}
+    asked.clear()
+    assert bisect_rates(below(99), 1.0, 10.0, 8)["capacity"] == 10.0 and len(asked) == 2
+
+
+def test_a_run_misses_the_slo_on_a_slow_tail_or_any_failure() -> None:
+    def summary(tbt: float, ttft: float, failed: int = 0) -> dict[str, Any]:
+        return {"completed": 5, "failed": failed, "tbt_ms": {"p99": tbt},
+                "ttft_ms": {"p99": ttft}}
+
+    slo = Slo(tbt_p99_ms=100, ttft_p99_ms=500)
+    assert slo.misses(summary(100, 500)) == []
+    assert slo.misses(summary(101, 900)) == ["TBT p99 101.0 ms > 100 ms",
+                                             "TTFT p99 900.0 ms > 500 ms"]
+    assert slo.misses(summary(10, 10, failed=1)) == ["1 failed"]
+    assert Slo(tbt_p99_ms=100).misses(summary(10, 1e9)) == []
+    assert "no request completed" in slo.misses({**summary(10, 10), "completed": 0})
+
+
+def test_a_rate_search_records_every_probe(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    options = ("--rate-search", "40:160", "--num-requests", "4", "--output-len", "3")
+    status, report = bench(FakeServer(), tmp_path, *options, "--slo-tbt-p99-ms", "1e9")
+    assert status == 0
+    search = report["rate_search"]
+    assert [p["rate"] for p in search["probes"]] == [40, 160]  # met at both ends
+    assert (search["capacity"], search["missed"], search["range"]) == (160, None, [40, 160])
+    for probe in search["probes"]:
+        assert probe["meets_slo"] and probe["misses"] == []
+        assert len(probe["requests"]) == 4 and probe["summary"]["tbt_ms"]["gaps"] == 8
+    assert report["params"]["load"] == "rate_search" and report["params"]["rate"] == 160
+    assert report["completed"] == 4 and report["slo"]["meets"]
+    assert "capacity    at least 160 req/s" in capsys.readouterr().out
+    # An SLO no run can meet: the lowest rate misses it, and the search stops there.
+    status, report = bench(FakeServer(), tmp_path, *options, "--slo-tbt-p99-ms", "1e-9",
+                           "--max-probes", "3")
+    assert status == 0  # missing an SLO is a finding
+    search = report["rate_search"]
+    assert [p["rate"] for p in search["probes"]] == [40] and search["capacity"] is None
+    assert search["probes"][0]["misses"][0].startswith("TBT p99 ")
+    assert not report["slo"]["meets"] and "below 40 req/s" in capsys.readouterr().out
+
+
+def test_an_slo_without_a_search_is_judged_on_the_run(tmp_path: Path) -> None:
+    _, report = bench(FakeServer(), tmp_path, "--rate", "50", "--num-requests", "3",
+                      "--output-len", "3", "--slo-ttft-p99-ms", "1e9")
+    assert report["slo"] == {"tbt_p99_ms": None, "ttft_p99_ms": 1e9, "meets": True,
+                             "misses": []}
+    assert report["rate_search"] is None
+    _, report = bench(FakeServer(), tmp_path, "--rate", "50", "--num-requests", "3")
+    assert report["slo"] is None
 
 
 def test_output_tokens_are_counted_from_chunks_without_usage(tmp_path: Path) -> None:
@@ -716,6 +787,10 @@ def test_the_chat_workload_draws_lognormal_lengths(tmp_path: Path) -> None:
     (["--burstiness", "0"], "argument --burstiness: expected a gamma shape > 0"),
     (["--workload", "trace"], "argument --workload: invalid choice: 'trace'"),
     (["--rate", "4", "--tenant-rates", "A:1"], "not allowed with argument --rate"),
+    (["--rate-search", "5:2"], "argument --rate-search: expected LO:HI requests/s with 0 < LO"),
+    (["--rate-search", "1:inf"], "argument --rate-search: expected LO:HI"),
+    (["--rate", "4", "--rate-search", "1:2"], "not allowed with argument --rate"),
+    (["--max-probes", "1"], "argument --max-probes: expected an integer >= 2"),
 ])
 def test_bad_workload_flags_are_argparse_errors(options: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
@@ -760,6 +835,8 @@ def test_the_prefix_share_workload_sends_its_shared_prefixes(tmp_path: Path) -> 
     (["--workload", "prefix-share", "--long-fraction", "0.1"], "does not read --long-fract"),
     (["--long-input-range", "5,9"], "--workload uniform does not read --long-input-range"),
     (["--workload", "prefix-share", "--prefix-groups", "0"], "--prefix-groups of 1 or more"),
+    (["--rate-search", "1:2"], "give --slo-tbt-p99-ms and/or --slo-ttft-p99-ms"),
+    (["--max-probes", "3", "--slo-tbt-p99-ms", "9"], "add --rate-search LO:HI"),
     (["--workload", "chat", "--input-len", "9"], "drop --input-len"),
     (["--tenants", "A:1", "--tenant-rates", "A:1"], "not both"),
     (["--arrival", "gamma", "--rate", "3"], "--arrival gamma needs --burstiness"),

@@ -94,3 +94,16 @@ def length_range(text: str) -> tuple[int, int]:
     if not 1 <= bounds[0] <= bounds[1]:
         raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
     return bounds
+
+
+def rate_range(text: str) -> tuple[float, float]:
+    """``LO:HI`` requests/s with ``0 < LO < HI``, both finite."""
+    lo, _, hi = text.partition(":")
+    try:
+        bounds = float(lo), float(hi)
+    except ValueError:
+        bounds = (0.0, 0.0)
+    if not 0 < bounds[0] < bounds[1] < math.inf:
+        raise argparse.ArgumentTypeError(f"expected LO:HI requests/s with 0 < LO < HI, "
+                                         f"got {text!r}")
+    return bounds

@@ -9,6 +9,7 @@ from typing import Any
 
 from asyncinfer.bench.client import RequestResult
 from asyncinfer.bench.latency import percentile, stats_ms, tbt_stats
+from asyncinfer.bench.search import search_lines
 
 
 def _meets_slo(r: RequestResult, ttft_ms: float | None, tpot_ms: float | None) -> bool:
@@ -93,7 +94,10 @@ def format_report(report: dict[str, Any]) -> str:
     load = ("all at once" if p["load"] == "burst" else
             f"{p['concurrency']} closed-loop workers" if p["load"] == "closed_loop" else
             f"gamma arrivals (burstiness {p['burstiness']:g}) at {p['rate']:g} req/s"
-            if p["load"] == "gamma" else f"Poisson arrivals at {p['rate']:g} req/s")
+            if p["load"] == "gamma" else
+            f"Poisson arrivals; below, the {_shown_probe(report)} probe's run at "
+            f"{p['rate']:g} req/s" if p["load"] == "rate_search" else
+            f"Poisson arrivals at {p['rate']:g} req/s")
     if p.get("tenant_rates"):
         load += " (" + ", ".join(f"{name} {rate:g}" for name, rate in
                                  p["tenant_rates"].items()) + ")"
@@ -124,6 +128,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{'':<12}(chunks held {per_chunk:.2f} tokens on average: a TBT gap "
                      f"is a chunk's)")
     lines += _group_lines(report.get("groups") or {})
+    if (verdict := report.get("slo")) is not None:
+        lines.append(f"{'SLO':<12}" + ("met" if verdict["meets"] else
+                                       "missed: " + "; ".join(verdict["misses"])))
+    if (search := report.get("rate_search")) is not None:
+        lines += search_lines(search)
     if (service := report.get("service")) is not None:
         lines += _service_lines(service)
     if (drain := report.get("drain")) is not None:
@@ -139,6 +148,10 @@ def format_report(report: dict[str, Any]) -> str:
                          f"{r['prefix_cache_hit_tokens']:>10}"
                          f"{r['prefix_cache_query_tokens']:>11}{rate:>10}")
     return "\n".join(lines)
+
+
+def _shown_probe(report: dict[str, Any]) -> str:
+    return "lowest" if report["rate_search"]["capacity"] is None else "capacity"
 
 
 def _group_lines(groups: dict[str, dict[str, Any]]) -> list[str]:

@@ -7,11 +7,12 @@ import asyncio
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from asyncinfer.bench import argtypes
-from asyncinfer.bench.client import run_load
+from asyncinfer.bench.client import RequestResult, run_load
 from asyncinfer.bench.plan import (
     DEFAULT_INPUT_LEN,
     DEFAULT_OUTPUT_LEN,
@@ -25,6 +26,7 @@ from asyncinfer.bench.plan import (
 )
 from asyncinfer.bench.report import format_report, group_summaries, request_row, summarize
 from asyncinfer.bench.scrape import check_drained, replica_counters, replica_report, replica_urls
+from asyncinfer.bench.search import Slo, bisect_rates
 from asyncinfer.bench.service import service_report, service_traces
 from asyncinfer.bench.traffic import (
     WORKLOADS,
@@ -43,6 +45,7 @@ from asyncinfer.bench.workloads import (
 from asyncinfer.errors import AsyncInferError
 
 DEFAULT_LONG_FACTOR = 30.0  # of --long-fraction
+DEFAULT_MAX_PROBES = 6  # of --rate-search
 
 # The --help text.
 DESCRIPTION = """\
@@ -65,6 +68,10 @@ A hostile load (``--hangup-fraction``) has a seeded share of the requests close 
 connection mid-stream; afterwards the server's ``/metrics`` gauges tell whether it let go of
 everything those requests held (``--check-drained``).
 """
+
+
+def slo_of(args: argparse.Namespace) -> Slo:
+    return Slo(args.slo_tbt_p99_ms, args.slo_ttft_p99_ms)
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -90,6 +97,11 @@ def _check_options(args: argparse.Namespace) -> None:
                               "Poisson; 1: Poisson)")
     if args.arrival != "gamma" and args.burstiness is not None:
         raise AsyncInferError("--burstiness shapes gamma arrivals: add --arrival gamma")
+    if args.rate_search and slo_of(args) == Slo():
+        raise AsyncInferError("--rate-search finds the highest rate meeting an SLO: give "
+                              "--slo-tbt-p99-ms and/or --slo-ttft-p99-ms")
+    if args.max_probes is not None and not args.rate_search:
+        raise AsyncInferError("--max-probes bounds --rate-search: add --rate-search LO:HI")
     if args.arrival == "gamma" and args.concurrency:
         raise AsyncInferError("--arrival gamma times an open loop: use --rate or "
                               "--tenant-rates, not --concurrency")
@@ -163,10 +175,43 @@ def _length_params(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[s
             "prefix_groups": args.prefix_groups or 0, "prefix_len": args.prefix_len or 0}
 
 
+Run = Callable[[list[float] | None, str], tuple[list[RequestResult], float]]
+
+
+def _search(args: argparse.Namespace, specs: list[RequestSpec], slo: Slo,
+            run: Run) -> tuple[list[RequestResult], float, float, dict[str, Any]]:
+    """``--rate-search``: each probe the same requests at its rate, recorded whole; returns
+    the results, duration and rate of the capacity probe (the lowest one when none met the
+    SLO), and the search's record."""
+    lo, hi = args.rate_search
+    runs: dict[float, tuple[list[RequestResult], float]] = {}
+    probes: list[dict[str, Any]] = []
+
+    def meets(rate: float) -> bool:
+        schedule = arrival_schedule(len(specs), rate, args.seed, args.burstiness or 1.0)
+        results, duration = run(schedule, f"{rate:.3g} req/s")
+        runs[rate] = results, duration
+        summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+        misses = slo.misses(summary)
+        probes.append({"rate": rate, "meets_slo": not misses, "misses": misses,
+                       "summary": {**summary, "groups": group_summaries(
+                           results, duration, args.slo_ttft_ms, args.slo_tpot_ms)},
+                       "requests": [request_row(r) for r in results]})
+        return not misses
+
+    found = bisect_rates(meets, lo, hi, args.max_probes or DEFAULT_MAX_PROBES)
+    shown = lo if found["capacity"] is None else found["capacity"]
+    search = {"range": [lo, hi], "max_probes": args.max_probes or DEFAULT_MAX_PROBES,
+              "slo": slo.describe(), "capacity": found["capacity"], "missed": found["missed"],
+              "probes": probes}
+    return *runs[shown], shown, search
+
+
 def main(args: argparse.Namespace) -> int:
-    """`asyncinfer bench serve`: run the load, check the server drained (see ``--check-drained``),
-    print the table, write ``--json``; exit status 1 when no kept request completed, or when
-    the drain check failed, timed out or found KV pages still used."""
+    """`asyncinfer bench serve`: run the load (or, with ``--rate-search``, one a probe), check
+    the server drained (see ``--check-drained``), print the table, write ``--json``; exit
+    status 1 when no kept request completed, or when the drain check failed, timed out or
+    found KV pages still used. Missing an SLO is a finding, not a failure."""
     from tqdm import tqdm
 
     _check_options(args)
@@ -177,19 +222,32 @@ def main(args: argparse.Namespace) -> int:
     counted = replica_counters(replicas)
     # A router reads prompts as text (and refuses ids): words stand in for the ids then.
     text = args.prompt_format == "text" or (args.prompt_format is None and replicas != [base])
-    with tqdm(total=len(specs), desc="requests", disable=None) as progress:
-        model, results, duration = asyncio.run(run_load(
-            base, args.model, specs, schedule=schedule, concurrency=args.concurrency,
-            api_key=args.api_key, timeout=args.timeout, on_done=progress.update, text=text))
+    model = args.model
+
+    def run(schedule: list[float] | None, desc: str) -> tuple[list[RequestResult], float]:
+        nonlocal model
+        with tqdm(total=len(specs), desc=desc, disable=None) as progress:
+            model, results, duration = asyncio.run(run_load(
+                base, model, specs, schedule=schedule, concurrency=args.concurrency,
+                api_key=args.api_key, timeout=args.timeout, on_done=progress.update,
+                text=text))
+        return results, duration
+
+    slo = slo_of(args)
+    search = None
+    if args.rate_search:
+        results, duration, rate, search = _search(args, specs, slo, run)
+    else:
+        results, duration = run(schedule, "requests")
     per_replica = replica_report(counted, replica_counters(replicas))
     drain = None
     if check:
         drain = asyncio.run(check_drained(base, api_key=args.api_key,
                                           timeout=args.drain_timeout))
-    load = ("closed_loop" if args.concurrency else "burst" if math.isinf(rate) else
-            "gamma" if args.arrival == "gamma" else "poisson")
+    load = ("rate_search" if search else "closed_loop" if args.concurrency else
+            "burst" if math.isinf(rate) else "gamma" if args.arrival == "gamma" else "poisson")
     params = {"url": base, "model": model, "policy": args.policy, "load": load,
-              "rate": rate if load in ("poisson", "gamma") else None,
+              "rate": rate if load in ("poisson", "gamma", "rate_search") else None,
               "concurrency": args.concurrency, "num_requests": args.num_requests,
               "workload": args.workload, **_length_params(args, specs),
               "arrival": args.arrival, "burstiness": args.burstiness,
@@ -199,7 +257,8 @@ def main(args: argparse.Namespace) -> int:
               "max_input_len": args.max_input_len,
               "prompt_format": "text" if text else "ids",
               "seed": args.seed, "slo_ttft_ms": args.slo_ttft_ms,
-              "slo_tpot_ms": args.slo_tpot_ms, "timeout_s": args.timeout,
+              "slo_tpot_ms": args.slo_tpot_ms, **slo.describe(),
+              "timeout_s": args.timeout,
               "hangup_fraction": args.hangup_fraction, "check_drained": check,
               "drain_timeout_s": args.drain_timeout if check else None}
     service = None
@@ -208,10 +267,15 @@ def main(args: argparse.Namespace) -> int:
                    **service_report(service_traces(results, args.service_w_in,
                                                    args.service_w_out),
                                     args.service_bucket_s)}
-    report = {"benchmark": "serve", "params": params,
-              **summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms),
+    summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+    verdict = None
+    if slo != Slo():
+        misses = slo.misses(summary)
+        verdict = {**slo.describe(), "meets": not misses, "misses": misses}
+    report = {"benchmark": "serve", "params": params, **summary,
               "groups": group_summaries(results, duration, args.slo_ttft_ms,
                                         args.slo_tpot_ms),
+              "slo": verdict, "rate_search": search,
               "service": service, "drain": drain, "replicas": per_replica,
               "requests": [request_row(r) for r in results]}
     print(format_report(report), flush=True)
@@ -243,6 +307,14 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                       help="one arrival process per tenant at its own rate (requests/s), "
                            "merged in time order until --num-requests; each request is "
                            "sent for its tenant (see --tenants)")
+    load.add_argument("--rate-search", type=argtypes.rate_range, default=None, metavar="LO:HI",
+                      help="capacity under the SLO (--slo-tbt-p99-ms, --slo-ttft-p99-ms): "
+                           "the highest Poisson rate in LO..HI req/s whose run meets it, by "
+                           "bisection (LO, HI, then midpoints), each probe the same requests "
+                           "at its rate, recorded whole in the report")
+    parser.add_argument("--max-probes", type=argtypes.at_least_int(2), default=None,
+                        help=f"--rate-search runs at most this many probes (default "
+                             f"{DEFAULT_MAX_PROBES})")
     parser.add_argument("--num-requests", type=argtypes.positive_int, default=64)
     parser.add_argument("--workload", choices=(*WORKLOADS, *NAMED_WORKLOADS),
                         default="uniform",
@@ -326,6 +398,13 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                         help="goodput counts requests with TTFT at most this")
     parser.add_argument("--slo-tpot-ms", type=float, default=None,
                         help="goodput counts requests with TPOT at most this")
+    parser.add_argument("--slo-tbt-p99-ms", type=argtypes.above_zero("ms"), default=None,
+                        help="an SLO on the run's P99 time between tokens (every gap of "
+                             "every request pooled): the report says whether it was met; "
+                             "--rate-search finds the highest rate meeting it")
+    parser.add_argument("--slo-ttft-p99-ms", type=argtypes.above_zero("ms"), default=None,
+                        help="an SLO on the run's P99 TTFT, as --slo-tbt-p99-ms (both must "
+                             "be met when both are given)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds one request may take, from sending to its last chunk")
     parser.add_argument("--hangup-fraction", type=argtypes.fraction, default=0.0, metavar="F",
