@@ -803,19 +803,19 @@ def test_bad_workload_flags_are_argparse_errors(options: list[str], message: str
 def test_the_long_chat_workload_reaches_the_server_and_is_reported_by_class(
         tmp_path: Path) -> None:
     server = FakeServer(delay=0)
-    status, report = bench(server, tmp_path, "--concurrency", "4", "--num-requests", "10",
+    status, report = bench(server, tmp_path, "--concurrency", "4", "--num-requests", "8",
                            "--workload", "long-chat", "--long-input-range", "40,50",
                            "--input-len-range", "4,8", "--output-len-range", "3,4",
                            "--long-output-range", "1,2", "--seed", "5")
     assert status == 0
     lengths = sorted(len(b["prompt"]) for b in server.bodies)
-    assert all(4 <= n <= 8 for n in lengths[:8]) and all(40 <= n <= 50 for n in lengths[8:])
+    assert all(4 <= n <= 8 for n in lengths[:6]) and all(40 <= n <= 50 for n in lengths[6:])
     classes = report["groups"]["class"]
-    assert (classes["long"]["completed"], classes["short"]["completed"]) == (2, 8)
+    assert (classes["long"]["completed"], classes["short"]["completed"]) == (2, 6)
     assert classes["short"]["tbt_ms"]["gaps"] > 0
     p = report["params"]
     assert p["workload_spec"]["long_input"] == {"dist": "uniform", "lo": 40, "hi": 50}
-    assert p["long_fraction"] == 0.2 and p["input_len"][1] <= 50
+    assert p["long_fraction"] == 0.25 and p["input_len"][1] <= 50
 
 
 def test_the_prefix_share_workload_sends_its_shared_prefixes(tmp_path: Path) -> None:

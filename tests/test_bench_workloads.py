@@ -215,18 +215,18 @@ def test_long_prompts_are_a_seeded_share_made_k_times_longer() -> None:
 # --- Specs ------------------------------------------------------------------------------------
 
 def test_long_chat_mixes_a_seeded_share_of_long_prompts_among_chats() -> None:
-    specs = LongChat().requests(50, seed=1)
-    assert specs == LongChat().requests(50, seed=1)
-    assert specs != LongChat().requests(50, seed=2)
+    specs = LongChat().requests(40, seed=1)
+    assert specs == LongChat().requests(40, seed=1)
+    assert specs != LongChat().requests(40, seed=2)
     long = [s for s in specs if s.long]
     short = [s for s in specs if not s.long]
-    assert len(long) == 10  # round(0.2 * 50), exactly
+    assert len(long) == 10  # round(0.25 * 40), exactly
     assert all(1024 <= len(s.prompt) <= 2048 and 16 <= s.output_len <= 64 for s in long)
     assert all(32 <= len(s.prompt) <= 128 and 64 <= s.output_len <= 192 for s in short)
     assert all(TOKEN_IDS[0] <= t < TOKEN_IDS[1] for s in specs for t in s.prompt)
     # Not bunched: the long ones are spread over the run.
     positions = [i for i, s in enumerate(specs) if s.long]
-    assert positions[0] < 25 <= positions[-1]
+    assert positions[0] < 20 <= positions[-1]
     assert sum(s.long for s in LongChat(long_fraction=0.5).requests(8, seed=0)) == 4
 
 

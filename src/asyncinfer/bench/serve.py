@@ -321,7 +321,7 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                         help="lengths: uniform (--input-len, --input-len-range ...), or chat: "
                              "lognormal, fitted to ShareGPT's means (prompt 161, output 338 "
                              "tokens; see docs/workloads.md); long-chat: a --long-fraction "
-                             "(0.2) of prompts of --long-input-range (1024,2048) tokens and "
+                             "(0.25) of prompts of --long-input-range (1024,2048) tokens and "
                              "--long-output-range (16,64) outputs among chats of "
                              "--input-len-range (32,128) and --output-len-range (64,192); "
                              "prefix-share: --prefix-groups (4) system prompts of "

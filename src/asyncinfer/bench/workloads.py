@@ -32,7 +32,7 @@ class LongChat:
     prompts and short outputs (prefill-heavy), the rest are short chats with longer outputs
     (streams a long prefill can stall). Long ones are marked ``long``."""
 
-    long_fraction: float = 0.2
+    long_fraction: float = 0.25
     short_input: Uniform = CHAT_PROMPTS
     short_output: Uniform = CHAT_OUTPUTS
     long_input: Uniform = LONG_PROMPTS
