@@ -366,6 +366,66 @@ def test_sweep_flags_pass_through() -> None:
     assert policy_flags("prefill_first", options) == ["--policy-opt", "aging=0.5"]
 
 
+def test_policy_runs_alternate_their_order() -> None:
+    from benchmarks.policy_table import run_order
+
+    assert run_order(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    assert run_order(["a"], 2) == [["a"], ["a"]]
+
+
+def test_the_policy_table_passes_flags_bench_serve_reads() -> None:
+    from benchmarks.policy_table import bench_flags, build_parser
+    from benchmarks.serve_sweep import workload_flags
+
+    from asyncinfer.bench.serve import add_parser
+
+    args = build_parser().parse_args(["--out", "x", "--rate", "0.5", "--long-input-range",
+                                      "900,1000", "--slo-tbt-p99-ms", "300", "--seed", "3"])
+    assert args.policies == "prefill_first,decode_first,stall_free"
+    serve = argparse.ArgumentParser()
+    add_parser(serve.add_subparsers())
+    parsed = serve.parse_args(["serve", *bench_flags(args), *workload_flags(args)])
+    assert (parsed.rate, parsed.workload, parsed.long_input_range) == (0.5, "long-chat",
+                                                                      (900, 1000))
+    assert (parsed.slo_tbt_p99_ms, parsed.seed, parsed.rate_search) == (300, 3, None)
+    args = build_parser().parse_args(["--out", "x", "--rate-search", "0.2:1",
+                                      "--slo-tbt-p99-ms", "300", "--max-probes", "4"])
+    parsed = serve.parse_args(["serve", *bench_flags(args), *workload_flags(args)])
+    assert (parsed.rate_search, parsed.max_probes, parsed.rate) == ((0.2, 1.0), 4, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--out", "x"])  # a rate or a search: one is needed
+
+
+def _run_report(tbt_p99: float, tok_s: float, capacity: float | None = None) -> dict[str, Any]:
+    stats = {"p50": tbt_p99 / 4, "p99": tbt_p99}
+    return {"tbt_ms": {**stats, "per_request_p99": {"p50": tbt_p99 / 2}},
+            "ttft_ms": {"p50": 10.0, "p99": 20.0}, "output_throughput": tok_s,
+            "request_throughput": tok_s / 100,
+            "groups": {"class": {"short": {"tbt_ms": {"p99": tbt_p99 - 1}}}},
+            "rate_search": None if capacity is None else {"capacity": capacity}}
+
+
+def test_the_policy_table_takes_each_policys_median_run() -> None:
+    from benchmarks.policy_table import markdown, policy_table
+
+    runs = [{"policy": "a", "round": 0, "result": _run_report(400, 90)},
+            {"policy": "b", "round": 0, "result": _run_report(100, 95)},
+            {"policy": "c", "round": 0, "error": "the server did not come up"},
+            {"policy": "b", "round": 1, "result": _run_report(120, 97)},
+            {"policy": "a", "round": 1, "result": _run_report(500, 92)}]
+    rows = policy_table(["a", "b", "c"], runs)
+    assert [(r["policy"], r["runs"]) for r in rows] == [("a", 2), ("b", 2)]
+    assert (rows[0]["tbt_p99_ms"], rows[0]["output_tok_s"]) == (450, 91)
+    assert (rows[1]["tbt_p99_ms"], rows[1]["short_tbt_p99_ms"]) == (110, 109)
+    assert rows[1]["tbt_per_request_p99_p50_ms"] == 55 and rows[1]["capacity_req_s"] is None
+    table = markdown(rows).splitlines()
+    assert len(table) == 4 and table[2].startswith("| a | 112.5 / 450.0 | 225.0 | 449.0 |")
+    assert "capacity" not in table[0]
+    searched = policy_table(["a"], [{"policy": "a", "result": _run_report(9, 9, 0.75)}])
+    assert searched[0]["capacity_req_s"] == 0.75
+    assert markdown(searched).splitlines()[2].endswith("| 0.750 |")
+
+
 def test_the_scenarios_parse_their_own_flags() -> None:
     from benchmarks.scenarios import build_parser, longest_output
 
