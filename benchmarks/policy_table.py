@@ -33,7 +33,7 @@ in one round; stall_free's token budget set so that a round stays short:
 
     python -m benchmarks.policy_table --out OUT \\
         --policies prefill_first,decode_first,stall_free --workload long-chat \\
-        --long-fraction 0.5 --rate 0.6 --num-requests 64 \\
+        --long-fraction 0.5 --rate 0.5 --num-requests 48 \\
         --policy-opt stall_free:token_budget=256 -- --dtype bfloat16
 
 Each run is `asyncinfer bench serve --rate R` (or ``--rate-search LO:HI`` with
