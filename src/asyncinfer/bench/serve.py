@@ -57,12 +57,16 @@ as a seeded Poisson or gamma (bursty) process (``--rate``, ``--arrival``), one p
 follow a named workload (``--workload chat``: lognormal, fitted to ShareGPT's published
 means; ``long-chat``: long prompts among streaming chats; ``prefix-share``: a few long system
 prompts shared by many requests); a share of the prompts can be made much longer
-(``--long-fraction``). Requests carry
-a tenant (``--tenants``: the OpenAI ``user`` field and an ``X-Tenant`` header) and a
-``priority`` (``--priorities``) drawn per request. TTFT, ITL, TPOT and end-to-end latency are
-measured client-side from the streamed chunks, for the whole run and per tenant, priority and
+(``--long-fraction``). Requests carry a tenant (``--tenants``: the OpenAI ``user`` field and
+an ``X-Tenant`` header) and a ``priority`` (``--priorities``) drawn per request. TTFT, TPOT,
+the time between tokens (TBT: the gaps between streamed chunks, pooled and per request) and
+end-to-end latency are measured client-side, for the whole run and per tenant, priority and
 long or short prompt; with tenants, each one's weighted service over time too (see
 docs/workloads.md).
+
+``--slo-tbt-p99-ms`` (and ``--slo-ttft-p99-ms``) judge a run; with ``--rate-search LO:HI``
+the same requests are sent at rates chosen by bisection to find the highest that meets them
+(docs/benchmarks.md, "Time between tokens, capacity under a TBT SLO, ...").
 
 A hostile load (``--hangup-fraction``) has a seeded share of the requests close their
 connection mid-stream; afterwards the server's ``/metrics`` gauges tell whether it let go of
@@ -288,7 +292,8 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Add ``serve`` to the ``asyncinfer bench`` subcommands; returns its parser."""
     parser = bench_subparsers.add_parser(
-        "serve", help="load a running OpenAI-compatible server: TTFT, TPOT, ITL, goodput",
+        "serve", help="load a running OpenAI-compatible server: TTFT, TPOT, TBT, goodput, "
+             "capacity under an SLO",
         description=DESCRIPTION)
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     parser.add_argument("--model", default=None,
