@@ -282,8 +282,13 @@ def test_a_run_misses_the_slo_on_a_slow_tail_or_any_failure() -> None:
 def test_a_rate_search_records_every_probe(tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     options = ("--rate-search", "40:160", "--num-requests", "4", "--output-len", "3")
-    status, report = bench(FakeServer(), tmp_path, *options, "--slo-tbt-p99-ms", "1e9")
+    server = FakeServer()
+    status, report = bench(server, tmp_path, *options, "--slo-tbt-p99-ms", "1e9")
     assert status == 0
+    # The second probe sends the same lengths, none of the first probe's prompts.
+    first, second = server.bodies[:4], server.bodies[4:]
+    assert sorted(len(b["prompt"]) for b in first) == sorted(len(b["prompt"]) for b in second)
+    assert not {tuple(b["prompt"]) for b in first} & {tuple(b["prompt"]) for b in second}
     search = report["rate_search"]
     assert [p["rate"] for p in search["probes"]] == [40, 160]  # met at both ends
     assert (search["capacity"], search["missed"], search["range"]) == (160, None, [40, 160])

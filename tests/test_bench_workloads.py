@@ -23,6 +23,7 @@ from asyncinfer.bench.plan import (
     label_requests,
     make_requests,
     plan_long,
+    shift_ids,
 )
 from asyncinfer.bench.service import (
     TenantTrace,
@@ -244,6 +245,18 @@ def test_prefix_share_spreads_requests_evenly_over_a_few_system_prompts() -> Non
         assert 16 <= len(spec.prompt) - 50 <= 64 and 32 <= spec.output_len <= 96
     assert len({s.prompt[50:] for s in specs}) == 30  # each its own question
     assert workload.requests(30, seed=1)[0].prompt[:50] not in prefixes
+
+
+def test_shifted_ids_keep_lengths_and_shared_prefixes_but_no_prompt() -> None:
+    specs = PrefixShare(groups=2, prefix_len=20).requests(6, seed=0)
+    shifted = shift_ids(specs, 7919)
+    assert [len(s.prompt) for s in shifted] == [len(s.prompt) for s in specs]
+    assert [s.output_len for s in shifted] == [s.output_len for s in specs]
+    assert len({s.prompt[:20] for s in shifted}) == 2  # still two shared system prompts
+    assert all(a.prompt[0] != b.prompt[0] for a, b in zip(specs, shifted))
+    assert all(TOKEN_IDS[0] <= t < TOKEN_IDS[1] for s in shifted for t in s.prompt)
+    assert shift_ids(specs, 0) == specs
+    assert shift_ids(specs, TOKEN_IDS[1] - TOKEN_IDS[0]) == specs
 
 
 def test_mix_specs_parse_names_and_numbers() -> None:

@@ -23,6 +23,7 @@ from asyncinfer.bench.plan import (
     make_requests,
     plan_hangups,
     plan_long,
+    shift_ids,
 )
 from asyncinfer.bench.report import format_report, group_summaries, request_row, summarize
 from asyncinfer.bench.scrape import check_drained, replica_counters, replica_report, replica_urls
@@ -46,6 +47,7 @@ from asyncinfer.errors import AsyncInferError
 
 DEFAULT_LONG_FACTOR = 30.0  # of --long-fraction
 DEFAULT_MAX_PROBES = 6  # of --rate-search
+PROBE_SHIFT = 7919  # a probe's prompt ids move by this times its index (prime to their range)
 
 # The --help text.
 DESCRIPTION = """\
@@ -179,21 +181,24 @@ def _length_params(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[s
             "prefix_groups": args.prefix_groups or 0, "prefix_len": args.prefix_len or 0}
 
 
-Run = Callable[[list[float] | None, str], tuple[list[RequestResult], float]]
+Run = Callable[[list[RequestSpec], list[float] | None, str],
+               tuple[list[RequestResult], float]]
 
 
 def _search(args: argparse.Namespace, specs: list[RequestSpec], slo: Slo,
             run: Run) -> tuple[list[RequestResult], float, float, dict[str, Any]]:
-    """``--rate-search``: each probe the same requests at its rate, recorded whole; returns
-    the results, duration and rate of the capacity probe (the lowest one when none met the
-    SLO), and the search's record."""
+    """``--rate-search``: each probe the same requests at its rate, recorded whole, their ids
+    shifted per probe so that no probe finds an earlier one's prompts in the prefix cache;
+    returns the results, duration and rate of the capacity probe (the lowest one when none
+    met the SLO), and the search's record."""
     lo, hi = args.rate_search
     runs: dict[float, tuple[list[RequestResult], float]] = {}
     probes: list[dict[str, Any]] = []
 
     def meets(rate: float) -> bool:
         schedule = arrival_schedule(len(specs), rate, args.seed, args.burstiness or 1.0)
-        results, duration = run(schedule, f"{rate:.3g} req/s")
+        shifted = shift_ids(specs, PROBE_SHIFT * len(probes))
+        results, duration = run(shifted, schedule, f"{rate:.3g} req/s")
         runs[rate] = results, duration
         summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
         misses = slo.misses(summary)
@@ -228,11 +233,12 @@ def main(args: argparse.Namespace) -> int:
     text = args.prompt_format == "text" or (args.prompt_format is None and replicas != [base])
     model = args.model
 
-    def run(schedule: list[float] | None, desc: str) -> tuple[list[RequestResult], float]:
+    def run(sent: list[RequestSpec], schedule: list[float] | None,
+            desc: str) -> tuple[list[RequestResult], float]:
         nonlocal model
-        with tqdm(total=len(specs), desc=desc, disable=None) as progress:
+        with tqdm(total=len(sent), desc=desc, disable=None) as progress:
             model, results, duration = asyncio.run(run_load(
-                base, model, specs, schedule=schedule, concurrency=args.concurrency,
+                base, model, sent, schedule=schedule, concurrency=args.concurrency,
                 api_key=args.api_key, timeout=args.timeout, on_done=progress.update,
                 text=text))
         return results, duration
@@ -242,7 +248,7 @@ def main(args: argparse.Namespace) -> int:
     if args.rate_search:
         results, duration, rate, search = _search(args, specs, slo, run)
     else:
-        results, duration = run(schedule, "requests")
+        results, duration = run(specs, schedule, "requests")
     per_replica = replica_report(counted, replica_counters(replicas))
     drain = None
     if check:
@@ -316,7 +322,8 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                       help="capacity under the SLO (--slo-tbt-p99-ms, --slo-ttft-p99-ms): "
                            "the highest Poisson rate in LO..HI req/s whose run meets it, by "
                            "bisection (LO, HI, then midpoints), each probe the same requests "
-                           "at its rate, recorded whole in the report")
+                           "at its rate (their ids shifted, so none is in the prefix cache "
+                           "from an earlier probe), recorded whole in the report")
     parser.add_argument("--max-probes", type=argtypes.at_least_int(2), default=None,
                         help=f"--rate-search runs at most this many probes (default "
                              f"{DEFAULT_MAX_PROBES})")
