@@ -23,9 +23,11 @@ import pytest
 from aiohttp import web
 
 from asyncinfer.bench.client import RequestResult
+from asyncinfer.bench.latency import tbt_gaps, tbt_stats
 from asyncinfer.bench.plan import arrival_schedule, make_requests, plan_hangups, plan_long
 from asyncinfer.bench.report import summarize
 from asyncinfer.bench.scrape import check_drained, parse_gauges
+from asyncinfer.bench.search import Slo, bisect_rates
 from asyncinfer.bench.serve import add_parser, main, plan_run
 from asyncinfer.bench.traffic import chat, draw_labels, tenant_arrivals
 from asyncinfer.errors import AsyncInferError
@@ -42,9 +44,10 @@ Gauges = tuple[int, int, int]  # requests_running, requests_waiting, kv_pages_us
 
 
 class FakeServer:
-    """Streams ``max_tokens`` chunks of text, after an empty first chunk (as a chat role
-    chunk), then a usage chunk and [DONE]; ``plan(k)`` picks how the k-th request (from 0)
-    behaves: ok, 500, slow_ttft, slow_tpot, disconnect, error_frame or hang.
+    """Streams ``max_tokens`` tokens of text, ``tokens_per_chunk`` a chunk, after an empty
+    first chunk (as a chat role chunk), then a usage chunk and [DONE]; ``plan(k)`` picks how
+    the k-th request (from 0) behaves: ok, 500, slow_ttft, slow_tpot, disconnect,
+    error_frame or hang.
 
     Records each request's body and X-Tenant header, the prompts of streams finished to
     [DONE], and, for streams the client broke off, the prompt and how many text chunks had
@@ -55,8 +58,10 @@ class FakeServer:
 
     def __init__(self, plan: Callable[[int], str] = lambda k: "ok", usage: bool = True,
                  delay: float = FAST, gauges: list[Gauges] | None = None,
-                 barrier: int = 0, slow_for: tuple[str, ...] = ()) -> None:
+                 barrier: int = 0, slow_for: tuple[str, ...] = (),
+                 tokens_per_chunk: int = 1) -> None:
         self.plan, self.usage, self.delay, self.slow_for = plan, usage, delay, slow_for
+        self.tokens_per_chunk = tokens_per_chunk
         self.counter = itertools.count()
         self.bodies: list[dict[str, Any]] = []
         self.tenant_headers: list[str | None] = []
@@ -124,6 +129,8 @@ class FakeServer:
                 assert request.transport is not None
                 request.transport.close()
                 return response
+            if (i + 1) % self.tokens_per_chunk and i < n - 1:
+                continue  # this token's text goes out with the next ones
             finish = "length" if i == n - 1 else None
             await response.write(_sse({"choices": [{"text": f"t{i} ", "finish_reason": finish}],
                                        "usage": None}))
@@ -196,6 +203,119 @@ def test_latencies_are_positive_and_ordered(tmp_path: Path) -> None:
     for row in report["requests"]:
         assert 0 < row["ttft_ms"] < row["e2e_ms"]
         assert row["tpot_ms"] == pytest.approx((row["e2e_ms"] - row["ttft_ms"]) / 5)
+
+
+def test_tbt_gaps_and_their_percentiles_from_known_chunk_times() -> None:
+    first = tbt_gaps([0.1, 0.2, 0.25, 1.25, 1.3])  # one stall of 1 s
+    second = tbt_gaps([0.0, 0.02, 0.04])
+    assert first == pytest.approx([0.1, 0.05, 1.0, 0.05])
+    assert second == pytest.approx([0.02, 0.02]) and tbt_gaps([0.3]) == []
+    stats = tbt_stats([first, second, []], tokens=12, chunks=8)
+    # Pooled, in ms: 20 20 50 50 100 1000 (numpy's linear interpolation).
+    assert stats["gaps"] == 6
+    assert stats["p50"] == pytest.approx(50) and stats["max"] == pytest.approx(1000)
+    assert stats["p99"] == pytest.approx(100 + 0.95 * 900)
+    assert stats["mean"] == pytest.approx(1240 / 6)
+    # Each request's own P99: 100 + 0.97 * 900 = 973, and 20; the third has no gap.
+    own = stats["per_request_p99"]
+    assert own["max"] == pytest.approx(973) and own["mean"] == pytest.approx((973 + 20) / 2)
+    assert own["p99"] == pytest.approx(20 + 0.99 * 953)
+    assert stats["tokens_per_chunk"] == 1.5
+    assert tbt_stats([])["p99"] is None and tbt_stats([])["tokens_per_chunk"] is None
+
+
+@pytest.mark.parametrize("per_chunk", [1, 2])
+def test_tbt_counts_a_gap_per_chunk_and_the_tokens_chunks_held(
+        tmp_path: Path, per_chunk: int, capsys: pytest.CaptureFixture[str]) -> None:
+    status, report = bench(FakeServer(tokens_per_chunk=per_chunk), tmp_path, "--concurrency",
+                           "3", "--num-requests", "4", "--output-len", "6")
+    assert status == 0
+    chunks = 6 // per_chunk
+    tbt = report["tbt_ms"]
+    assert tbt["gaps"] == 4 * (chunks - 1) and tbt["tokens_per_chunk"] == per_chunk
+    assert 0 < tbt["p50"] <= tbt["p99"] <= tbt["max"]
+    assert 0 < tbt["per_request_p99"]["p50"] <= tbt["max"]
+    for row in report["requests"]:
+        assert row["chunks"] == chunks and row["output_tokens"] == 6
+        assert 0 < row["tbt_p50_ms"] <= row["tbt_p99_ms"] <= row["tbt_max_ms"]
+    out = capsys.readouterr().out
+    assert any(line.startswith("TBT p99/req ") for line in out.splitlines())
+    assert ("chunks held 2.00 tokens" in out) == (per_chunk == 2)
+
+
+def test_bisection_finds_the_threshold_of_a_monotone_probe() -> None:
+    asked: list[float] = []
+
+    def below(threshold: float) -> Callable[[float], bool]:
+        def meets(rate: float) -> bool:
+            asked.append(rate)
+            return rate <= threshold
+        return meets
+
+    found = bisect_rates(below(3.7), 1.0, 10.0, max_probes=8)
+    assert [rate for rate, _ in found["probes"]] == asked and len(asked) == 8
+    assert asked[:4] == [1.0, 10.0, 5.5, 3.25]  # lo, hi, then midpoints
+    assert found["capacity"] <= 3.7 < found["missed"]
+    assert found["missed"] - found["capacity"] == pytest.approx(9 / 2**6)
+    assert all(met == (rate <= 3.7) for rate, met in found["probes"])
+    asked.clear()
+    assert bisect_rates(below(0.5), 1.0, 10.0, 8) == {
+        "capacity": None, "missed": 1.0, "probes": [(1.0, False)]}
+    asked.clear()
+    assert bisect_rates(below(99), 1.0, 10.0, 8)["capacity"] == 10.0 and len(asked) == 2
+
+
+def test_a_run_misses_the_slo_on_a_slow_tail_or_any_failure() -> None:
+    def summary(tbt: float, ttft: float, failed: int = 0) -> dict[str, Any]:
+        return {"completed": 5, "failed": failed, "tbt_ms": {"p99": tbt},
+                "ttft_ms": {"p99": ttft}}
+
+    slo = Slo(tbt_p99_ms=100, ttft_p99_ms=500)
+    assert slo.misses(summary(100, 500)) == []
+    assert slo.misses(summary(101, 900)) == ["TBT p99 101.0 ms > 100 ms",
+                                             "TTFT p99 900.0 ms > 500 ms"]
+    assert slo.misses(summary(10, 10, failed=1)) == ["1 failed"]
+    assert Slo(tbt_p99_ms=100).misses(summary(10, 1e9)) == []
+    assert "no request completed" in slo.misses({**summary(10, 10), "completed": 0})
+
+
+def test_a_rate_search_records_every_probe(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    options = ("--rate-search", "40:160", "--num-requests", "4", "--output-len", "3")
+    server = FakeServer()
+    status, report = bench(server, tmp_path, *options, "--slo-tbt-p99-ms", "1e9")
+    assert status == 0
+    # The second probe sends the same lengths, none of the first probe's prompts.
+    first, second = server.bodies[:4], server.bodies[4:]
+    assert sorted(len(b["prompt"]) for b in first) == sorted(len(b["prompt"]) for b in second)
+    assert not {tuple(b["prompt"]) for b in first} & {tuple(b["prompt"]) for b in second}
+    search = report["rate_search"]
+    assert [p["rate"] for p in search["probes"]] == [40, 160]  # met at both ends
+    assert (search["capacity"], search["missed"], search["range"]) == (160, None, [40, 160])
+    for probe in search["probes"]:
+        assert probe["meets_slo"] and probe["misses"] == []
+        assert len(probe["requests"]) == 4 and probe["summary"]["tbt_ms"]["gaps"] == 8
+    assert report["params"]["load"] == "rate_search" and report["params"]["rate"] == 160
+    assert report["completed"] == 4 and report["slo"]["meets"]
+    assert "capacity    at least 160 req/s" in capsys.readouterr().out
+    # An SLO no run can meet: the lowest rate misses it, and the search stops there.
+    status, report = bench(FakeServer(), tmp_path, *options, "--slo-tbt-p99-ms", "1e-9",
+                           "--max-probes", "3")
+    assert status == 0  # missing an SLO is a finding
+    search = report["rate_search"]
+    assert [p["rate"] for p in search["probes"]] == [40] and search["capacity"] is None
+    assert search["probes"][0]["misses"][0].startswith("TBT p99 ")
+    assert not report["slo"]["meets"] and "below 40 req/s" in capsys.readouterr().out
+
+
+def test_an_slo_without_a_search_is_judged_on_the_run(tmp_path: Path) -> None:
+    _, report = bench(FakeServer(), tmp_path, "--rate", "50", "--num-requests", "3",
+                      "--output-len", "3", "--slo-ttft-p99-ms", "1e9")
+    assert report["slo"] == {"tbt_p99_ms": None, "ttft_p99_ms": 1e9, "meets": True,
+                             "misses": []}
+    assert report["rate_search"] is None
+    _, report = bench(FakeServer(), tmp_path, "--rate", "50", "--num-requests", "3")
+    assert report["slo"] is None
 
 
 def test_output_tokens_are_counted_from_chunks_without_usage(tmp_path: Path) -> None:
@@ -672,6 +792,10 @@ def test_the_chat_workload_draws_lognormal_lengths(tmp_path: Path) -> None:
     (["--burstiness", "0"], "argument --burstiness: expected a gamma shape > 0"),
     (["--workload", "trace"], "argument --workload: invalid choice: 'trace'"),
     (["--rate", "4", "--tenant-rates", "A:1"], "not allowed with argument --rate"),
+    (["--rate-search", "5:2"], "argument --rate-search: expected LO:HI requests/s with 0 < LO"),
+    (["--rate-search", "1:inf"], "argument --rate-search: expected LO:HI"),
+    (["--rate", "4", "--rate-search", "1:2"], "not allowed with argument --rate"),
+    (["--max-probes", "1"], "argument --max-probes: expected an integer >= 2"),
 ])
 def test_bad_workload_flags_are_argparse_errors(options: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
@@ -681,8 +805,43 @@ def test_bad_workload_flags_are_argparse_errors(options: list[str], message: str
     assert message in capsys.readouterr().err
 
 
+def test_the_long_chat_workload_reaches_the_server_and_is_reported_by_class(
+        tmp_path: Path) -> None:
+    server = FakeServer(delay=0)
+    status, report = bench(server, tmp_path, "--concurrency", "4", "--num-requests", "8",
+                           "--workload", "long-chat", "--long-input-range", "40,50",
+                           "--input-len-range", "4,8", "--output-len-range", "3,4",
+                           "--long-output-range", "1,2", "--seed", "5")
+    assert status == 0
+    lengths = sorted(len(b["prompt"]) for b in server.bodies)
+    assert all(4 <= n <= 8 for n in lengths[:6]) and all(40 <= n <= 50 for n in lengths[6:])
+    classes = report["groups"]["class"]
+    assert (classes["long"]["completed"], classes["short"]["completed"]) == (2, 6)
+    assert classes["short"]["tbt_ms"]["gaps"] > 0
+    p = report["params"]
+    assert p["workload_spec"]["long_input"] == {"dist": "uniform", "lo": 40, "hi": 50}
+    assert p["long_fraction"] == 0.25 and p["input_len"][1] <= 50
+
+
+def test_the_prefix_share_workload_sends_its_shared_prefixes(tmp_path: Path) -> None:
+    server = FakeServer(delay=0)
+    status, report = bench(server, tmp_path, "--concurrency", "3", "--num-requests", "6",
+                           "--workload", "prefix-share", "--prefix-groups", "2",
+                           "--prefix-len", "20", "--output-len-range", "2,2")
+    assert status == 0 and report["completed"] == 6
+    shared = Counter(tuple(b["prompt"][:20]) for b in server.bodies)
+    assert sorted(shared.values()) == [3, 3]  # two system prompts, three requests each
+    assert report["params"]["prefix_groups"] == 2 and report["params"]["prefix_len"] == 20
+
+
 @pytest.mark.parametrize(("options", "message"), [
     (["--input-mean", "40"], "--input-mean set the means of --workload chat"),
+    (["--workload", "long-chat", "--prefix-groups", "2"], "does not read --prefix-groups"),
+    (["--workload", "prefix-share", "--long-fraction", "0.1"], "does not read --long-fract"),
+    (["--long-input-range", "5,9"], "--workload uniform does not read --long-input-range"),
+    (["--workload", "prefix-share", "--prefix-groups", "0"], "--prefix-groups of 1 or more"),
+    (["--rate-search", "1:2"], "give --slo-tbt-p99-ms and/or --slo-ttft-p99-ms"),
+    (["--max-probes", "3", "--slo-tbt-p99-ms", "9"], "add --rate-search LO:HI"),
     (["--workload", "chat", "--input-len", "9"], "drop --input-len"),
     (["--tenants", "A:1", "--tenant-rates", "A:1"], "not both"),
     (["--arrival", "gamma", "--rate", "3"], "--arrival gamma needs --burstiness"),

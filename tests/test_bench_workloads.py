@@ -17,7 +17,14 @@ from typing import Any
 import pytest
 
 from asyncinfer.bench.client import RequestResult
-from asyncinfer.bench.plan import arrival_schedule, label_requests, make_requests, plan_long
+from asyncinfer.bench.plan import (
+    TOKEN_IDS,
+    arrival_schedule,
+    label_requests,
+    make_requests,
+    plan_long,
+    shift_ids,
+)
 from asyncinfer.bench.service import (
     TenantTrace,
     cumulative,
@@ -38,6 +45,7 @@ from asyncinfer.bench.traffic import (
     tenant_arrivals,
     tenant_name,
 )
+from asyncinfer.bench.workloads import LongChat, PrefixShare
 
 
 def gaps(times: list[float]) -> list[float]:
@@ -207,6 +215,50 @@ def test_long_prompts_are_a_seeded_share_made_k_times_longer() -> None:
 
 # --- Specs ------------------------------------------------------------------------------------
 
+def test_long_chat_mixes_a_seeded_share_of_long_prompts_among_chats() -> None:
+    specs = LongChat().requests(40, seed=1)
+    assert specs == LongChat().requests(40, seed=1)
+    assert specs != LongChat().requests(40, seed=2)
+    long = [s for s in specs if s.long]
+    short = [s for s in specs if not s.long]
+    assert len(long) == 10  # round(0.25 * 40), exactly
+    assert all(1024 <= len(s.prompt) <= 2048 and 16 <= s.output_len <= 64 for s in long)
+    assert all(32 <= len(s.prompt) <= 128 and 64 <= s.output_len <= 192 for s in short)
+    assert all(TOKEN_IDS[0] <= t < TOKEN_IDS[1] for s in specs for t in s.prompt)
+    # Not bunched: the long ones are spread over the run.
+    positions = [i for i, s in enumerate(specs) if s.long]
+    assert positions[0] < 20 <= positions[-1]
+    assert sum(s.long for s in LongChat(long_fraction=0.5).requests(8, seed=0)) == 4
+
+
+def test_prefix_share_spreads_requests_evenly_over_a_few_system_prompts() -> None:
+    workload = PrefixShare(groups=3, prefix_len=50)
+    specs = workload.requests(30, seed=0)
+    assert specs == workload.requests(30, seed=0)
+    prefixes = workload.prefixes(seed=0)
+    assert len(set(prefixes)) == 3 and all(len(p) == 50 for p in prefixes)
+    groups = workload.group_of(30, seed=0)
+    assert Counter(groups) == {0: 10, 1: 10, 2: 10}
+    assert groups != [i % 3 for i in range(30)]  # a seeded order, not in turn
+    for spec, group in zip(specs, groups):
+        assert spec.prompt[:50] == prefixes[group]
+        assert 16 <= len(spec.prompt) - 50 <= 64 and 32 <= spec.output_len <= 96
+    assert len({s.prompt[50:] for s in specs}) == 30  # each its own question
+    assert workload.requests(30, seed=1)[0].prompt[:50] not in prefixes
+
+
+def test_shifted_ids_keep_lengths_and_shared_prefixes_but_no_prompt() -> None:
+    specs = PrefixShare(groups=2, prefix_len=20).requests(6, seed=0)
+    shifted = shift_ids(specs, 7919)
+    assert [len(s.prompt) for s in shifted] == [len(s.prompt) for s in specs]
+    assert [s.output_len for s in shifted] == [s.output_len for s in specs]
+    assert len({s.prompt[:20] for s in shifted}) == 2  # still two shared system prompts
+    assert all(a.prompt[0] != b.prompt[0] for a, b in zip(specs, shifted))
+    assert all(TOKEN_IDS[0] <= t < TOKEN_IDS[1] for s in shifted for t in s.prompt)
+    assert shift_ids(specs, 0) == specs
+    assert shift_ids(specs, TOKEN_IDS[1] - TOKEN_IDS[0]) == specs
+
+
 def test_mix_specs_parse_names_and_numbers() -> None:
     assert parse_mix("A:0.8,B:0.2", tenant_name, "share") == {"A": 0.8, "B": 0.2}
     assert parse_mix(" gold : 40 , free:10", tenant_name, "rate") == {"gold": 40, "free": 10}
@@ -325,6 +377,66 @@ def test_sweep_flags_pass_through() -> None:
     assert policy_flags("vtc", options) == ["--policy-opt", "aging=0.5",
                                             "--policy-opt", "weights=A:2"]
     assert policy_flags("prefill_first", options) == ["--policy-opt", "aging=0.5"]
+
+
+def test_policy_runs_alternate_their_order() -> None:
+    from benchmarks.policy_table import run_order
+
+    assert run_order(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    assert run_order(["a"], 2) == [["a"], ["a"]]
+
+
+def test_the_policy_table_passes_flags_bench_serve_reads() -> None:
+    from benchmarks.policy_table import bench_flags, build_parser
+    from benchmarks.serve_sweep import workload_flags
+
+    from asyncinfer.bench.serve import add_parser
+
+    args = build_parser().parse_args(["--out", "x", "--rate", "0.5", "--long-input-range",
+                                      "900,1000", "--slo-tbt-p99-ms", "300", "--seed", "3"])
+    assert args.policies == "prefill_first,decode_first,stall_free"
+    serve = argparse.ArgumentParser()
+    add_parser(serve.add_subparsers())
+    parsed = serve.parse_args(["serve", *bench_flags(args), *workload_flags(args)])
+    assert (parsed.rate, parsed.workload, parsed.long_input_range) == (0.5, "long-chat",
+                                                                      (900, 1000))
+    assert (parsed.slo_tbt_p99_ms, parsed.seed, parsed.rate_search) == (300, 3, None)
+    args = build_parser().parse_args(["--out", "x", "--rate-search", "0.2:1",
+                                      "--slo-tbt-p99-ms", "300", "--max-probes", "4"])
+    parsed = serve.parse_args(["serve", *bench_flags(args), *workload_flags(args)])
+    assert (parsed.rate_search, parsed.max_probes, parsed.rate) == ((0.2, 1.0), 4, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--out", "x"])  # a rate or a search: one is needed
+
+
+def _run_report(tbt_p99: float, tok_s: float, capacity: float | None = None) -> dict[str, Any]:
+    stats = {"p50": tbt_p99 / 4, "p99": tbt_p99}
+    return {"tbt_ms": {**stats, "per_request_p99": {"p50": tbt_p99 / 2}},
+            "ttft_ms": {"p50": 10.0, "p99": 20.0}, "output_throughput": tok_s,
+            "request_throughput": tok_s / 100,
+            "groups": {"class": {"short": {"tbt_ms": {"p99": tbt_p99 - 1}}}},
+            "rate_search": None if capacity is None else {"capacity": capacity}}
+
+
+def test_the_policy_table_takes_each_policys_median_run() -> None:
+    from benchmarks.policy_table import markdown, policy_table
+
+    runs = [{"policy": "a", "round": 0, "result": _run_report(400, 90)},
+            {"policy": "b", "round": 0, "result": _run_report(100, 95)},
+            {"policy": "c", "round": 0, "error": "the server did not come up"},
+            {"policy": "b", "round": 1, "result": _run_report(120, 97)},
+            {"policy": "a", "round": 1, "result": _run_report(500, 92)}]
+    rows = policy_table(["a", "b", "c"], runs)
+    assert [(r["policy"], r["runs"]) for r in rows] == [("a", 2), ("b", 2)]
+    assert (rows[0]["tbt_p99_ms"], rows[0]["output_tok_s"]) == (450, 91)
+    assert (rows[1]["tbt_p99_ms"], rows[1]["short_tbt_p99_ms"]) == (110, 109)
+    assert rows[1]["tbt_per_request_p99_p50_ms"] == 55 and rows[1]["capacity_req_s"] is None
+    table = markdown(rows).splitlines()
+    assert len(table) == 4 and table[2].startswith("| a | 112.5 / 450.0 | 225.0 | 449.0 |")
+    assert "capacity" not in table[0]
+    searched = policy_table(["a"], [{"policy": "a", "result": _run_report(9, 9, 0.75)}])
+    assert searched[0]["capacity_req_s"] == 0.75
+    assert markdown(searched).splitlines()[2].endswith("| 0.750 |")
 
 
 def test_the_scenarios_parse_their_own_flags() -> None:

@@ -18,6 +18,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def at_least_int(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text}")
+        return value
+
+    return parse
+
+
 def above_zero(what: str) -> Callable[[str], float]:
     """An argparse type: a number > 0 (``inf`` included), ``what`` naming it in the error."""
 
@@ -81,4 +93,17 @@ def length_range(text: str) -> tuple[int, int]:
         bounds = (0, 0)
     if not 1 <= bounds[0] <= bounds[1]:
         raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
+    return bounds
+
+
+def rate_range(text: str) -> tuple[float, float]:
+    """``LO:HI`` requests/s with ``0 < LO < HI``, both finite."""
+    lo, _, hi = text.partition(":")
+    try:
+        bounds = float(lo), float(hi)
+    except ValueError:
+        bounds = (0.0, 0.0)
+    if not 0 < bounds[0] < bounds[1] < math.inf:
+        raise argparse.ArgumentTypeError(f"expected LO:HI requests/s with 0 < LO < HI, "
+                                         f"got {text!r}")
     return bounds

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from attrs import define, field, frozen
 
+from asyncinfer.bench.latency import tbt_gaps
 from asyncinfer.bench.plan import RequestSpec
 from asyncinfer.errors import AsyncInferError
 
@@ -31,7 +32,7 @@ class RequestResult:
     sent: float = 0.0
     ttft: float | None = None
     e2e: float | None = None
-    itl: list[float] = field(factory=list)
+    itl: list[float] = field(factory=list)  # the gaps between text chunks (see latency)
     output_tokens: int = 0
     error: str | None = None
     hung_up: bool = False  # the client closed the connection mid-stream, as planned
@@ -52,6 +53,11 @@ class RequestResult:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
+    @property
+    def chunks(self) -> int:
+        """Text chunks read: the first (TTFT), then one per gap."""
+        return 0 if self.ttft is None else 1 + len(self.itl)
+
 
 class RequestFailed(Exception):
     """A request the server refused or broke off: a label to count by, and what it said."""
@@ -64,8 +70,19 @@ class RequestFailed(Exception):
 async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
                   headers: dict[str, str], result: RequestResult,
                   hangup_after: int | None = None) -> None:
+    arrivals: list[float] = []  # each text chunk's, from sending
+    try:
+        await _read(session, url, payload, headers, result, arrivals, hangup_after)
+    finally:  # a timeout or a failure mid-stream keeps the chunks read until then
+        result.ttft = arrivals[0] if arrivals else None
+        result.itl = tbt_gaps(arrivals)
+
+
+async def _read(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
+                headers: dict[str, str], result: RequestResult, arrivals: list[float],
+                hangup_after: int | None) -> None:
     sent = time.perf_counter()
-    last, chunks, usage_tokens = sent, 0, None
+    usage_tokens = None
     async with session.post(url, json=payload, headers=headers) as response:
         if response.status != 200:
             raise RequestFailed(f"HTTP {response.status}", (await response.text())[:500])
@@ -86,12 +103,8 @@ async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, A
                 usage_tokens = int(usage["completion_tokens"])
             choices = chunk.get("choices") or []
             if choices and choices[0].get("text"):
-                if result.ttft is None:
-                    result.ttft = now - sent
-                else:
-                    result.itl.append(now - last)
-                last, chunks = now, chunks + 1
-                if chunks == hangup_after:
+                arrivals.append(now - sent)
+                if len(arrivals) == hangup_after:
                     # Close the socket itself, not release it to the pool: the server must see
                     # the client go away with its stream unfinished.
                     response.close()
@@ -99,9 +112,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, A
                     return
     if result.e2e is None:
         raise RequestFailed("stream ended before [DONE]")
-    if result.ttft is None:
+    if not arrivals:
         raise RequestFailed("no text in the stream")
-    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    result.output_tokens = usage_tokens if usage_tokens is not None else len(arrivals)
 
 
 @frozen

@@ -86,3 +86,12 @@ def plan_hangups(specs: list[RequestSpec], fraction: float, seed: int) -> list[R
     for i in chosen:
         out[i] = evolve(specs[i], hangup_after=rng.randint(1, max(1, specs[i].output_len // 2)))
     return out
+
+
+def shift_ids(specs: list[RequestSpec], shift: int) -> list[RequestSpec]:
+    """``specs`` with every prompt id moved by ``shift`` within ``TOKEN_IDS`` (wrapping): the
+    same lengths and the same shared prefixes, but no prompt a prefix cache has seen in the
+    unshifted ones (for ``shift`` not a multiple of the range)."""
+    lo, hi = TOKEN_IDS
+    return [evolve(spec, prompt=tuple(lo + (t - lo + shift) % (hi - lo) for t in spec.prompt))
+            for spec in specs]

@@ -3,28 +3,13 @@ percentiles, overall and per group, as a JSON-ready dict and as a table."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from asyncinfer.bench.client import RequestResult
-
-
-def _percentile(ordered: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks, as numpy's default."""
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def _stats_ms(seconds: list[float]) -> dict[str, float | None]:
-    if not seconds:
-        return {"mean": None, "p50": None, "p99": None, "max": None}
-    ms = sorted(s * 1000 for s in seconds)
-    return {"mean": sum(ms) / len(ms), "p50": _percentile(ms, 50), "p99": _percentile(ms, 99),
-            "max": ms[-1]}
+from asyncinfer.bench.latency import percentile, stats_ms, tbt_stats
+from asyncinfer.bench.search import search_lines
 
 
 def _meets_slo(r: RequestResult, ttft_ms: float | None, tpot_ms: float | None) -> bool:
@@ -53,10 +38,12 @@ def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float 
         "output_throughput": output_tokens / duration,
         "good_requests": good,
         "goodput": None if good is None else good / duration,
-        "ttft_ms": _stats_ms([r.ttft for r in done if r.ttft is not None]),
-        "tpot_ms": _stats_ms([t for r in done if (t := r.tpot) is not None]),
-        "itl_ms": _stats_ms([gap for r in done for gap in r.itl]),
-        "e2e_ms": _stats_ms([r.e2e for r in done if r.e2e is not None]),
+        "ttft_ms": stats_ms([r.ttft for r in done if r.ttft is not None]),
+        "tpot_ms": stats_ms([t for r in done if (t := r.tpot) is not None]),
+        "itl_ms": stats_ms([gap for r in done for gap in r.itl]),
+        "tbt_ms": tbt_stats([r.itl for r in done], output_tokens,
+                            sum(r.chunks for r in done)),
+        "e2e_ms": stats_ms([r.e2e for r in done if r.e2e is not None]),
     }
 
 
@@ -91,8 +78,12 @@ def request_row(r: RequestResult) -> dict[str, Any]:
     def ms(s: float | None) -> float | None:
         return None if s is None else s * 1000
 
+    gaps = sorted(r.itl)
     return {"sent_s": r.sent, "prompt_len": r.prompt_len, "output_len": r.output_len,
             "output_tokens": r.output_tokens, "ttft_ms": ms(r.ttft), "tpot_ms": ms(r.tpot),
+            "chunks": r.chunks, "tbt_p50_ms": ms(percentile(gaps, 50)) if gaps else None,
+            "tbt_p99_ms": ms(percentile(gaps, 99)) if gaps else None,
+            "tbt_max_ms": ms(gaps[-1]) if gaps else None,
             "e2e_ms": ms(r.e2e) if r.ok else None, "error": r.error,
             "hung_up": r.hung_up, "tenant": r.tenant, "priority": r.priority, "long": r.long}
 
@@ -103,7 +94,10 @@ def format_report(report: dict[str, Any]) -> str:
     load = ("all at once" if p["load"] == "burst" else
             f"{p['concurrency']} closed-loop workers" if p["load"] == "closed_loop" else
             f"gamma arrivals (burstiness {p['burstiness']:g}) at {p['rate']:g} req/s"
-            if p["load"] == "gamma" else f"Poisson arrivals at {p['rate']:g} req/s")
+            if p["load"] == "gamma" else
+            f"Poisson arrivals; below, the {_shown_probe(report)} probe's run at "
+            f"{p['rate']:g} req/s" if p["load"] == "rate_search" else
+            f"Poisson arrivals at {p['rate']:g} req/s")
     if p.get("tenant_rates"):
         load += " (" + ", ".join(f"{name} {rate:g}" for name, rate in
                                  p["tenant_rates"].items()) + ")"
@@ -123,10 +117,22 @@ def format_report(report: dict[str, Any]) -> str:
                      f"({report['good_requests']} requests with {slo})")
     lines += [f"{'failed':<12}{count} x {error}" for error, count in report["errors"].items()]
     lines.append(f"{'(ms)':<12}" + "".join(f"{h:>10}" for h in ("mean", "p50", "p99", "max")))
-    for name in ("ttft", "tpot", "itl", "e2e"):
-        cells = ["-" if v is None else f"{v:.1f}" for v in report[f"{name}_ms"].values()]
-        lines.append(f"{name.upper():<12}" + "".join(f"{c:>10}" for c in cells))
+    tbt = report["tbt_ms"]
+    rows = [("TTFT", report["ttft_ms"]), ("TPOT", report["tpot_ms"]),
+            ("TBT", tbt), ("TBT p99/req", tbt["per_request_p99"]), ("E2E", report["e2e_ms"])]
+    for name, stats in rows:
+        cells = ["-" if stats[k] is None else f"{stats[k]:.1f}"
+                 for k in ("mean", "p50", "p99", "max")]
+        lines.append(f"{name:<12}" + "".join(f"{c:>10}" for c in cells))
+    if (per_chunk := tbt["tokens_per_chunk"]) is not None and per_chunk > 1.05:
+        lines.append(f"{'':<12}(chunks held {per_chunk:.2f} tokens on average: a TBT gap "
+                     f"is a chunk's)")
     lines += _group_lines(report.get("groups") or {})
+    if (verdict := report.get("slo")) is not None:
+        lines.append(f"{'SLO':<12}" + ("met" if verdict["meets"] else
+                                       "missed: " + "; ".join(verdict["misses"])))
+    if (search := report.get("rate_search")) is not None:
+        lines += search_lines(search)
     if (service := report.get("service")) is not None:
         lines += _service_lines(service)
     if (drain := report.get("drain")) is not None:
@@ -144,22 +150,28 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _shown_probe(report: dict[str, Any]) -> str:
+    return "lowest" if report["rate_search"]["capacity"] is None else "capacity"
+
+
 def _group_lines(groups: dict[str, dict[str, Any]]) -> list[str]:
-    """A header, then a line per group: counts, TTFT, TPOT, E2E p50 and p99, goodput."""
+    """A header, then a line per group: counts, TTFT, TPOT, TBT, E2E p50 and p99, goodput."""
     if not groups:
         return []
 
     def cell(value: float | None, width: int, digits: int = 1) -> str:
         return f"{'-' if value is None else f'{value:.{digits}f}':>{width}}"
 
+    stats = ("ttft_ms", "tpot_ms", "tbt_ms", "e2e_ms")
     lines = [f"{'group (ms)':<16}{'done':>6}{'failed':>7}"
-             + "".join(f"{name + ' p50':>10}{'p99':>9}" for name in ("TTFT", "TPOT", "E2E"))
+             + "".join(f"{name + ' p50':>10}{'p99':>9}" for name in ("TTFT", "TPOT", "TBT",
+                                                                      "E2E"))
              + f"{'goodput':>9}"]
     for kind, members in groups.items():
         for name, s in members.items():
             label = name if kind == "class" else f"{kind} {name}"
             row = f"{label[:15]:<16}{s['completed']:>6}{s['failed']:>7}"
-            for stat in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            for stat in stats:
                 row += cell(s[stat]["p50"], 10) + cell(s[stat]["p99"], 9)
             lines.append(row + cell(s["goodput"], 9, 2))
     return lines

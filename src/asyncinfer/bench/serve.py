@@ -7,11 +7,12 @@ import asyncio
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from asyncinfer.bench import argtypes
-from asyncinfer.bench.client import run_load
+from asyncinfer.bench.client import RequestResult, run_load
 from asyncinfer.bench.plan import (
     DEFAULT_INPUT_LEN,
     DEFAULT_OUTPUT_LEN,
@@ -22,9 +23,11 @@ from asyncinfer.bench.plan import (
     make_requests,
     plan_hangups,
     plan_long,
+    shift_ids,
 )
 from asyncinfer.bench.report import format_report, group_summaries, request_row, summarize
 from asyncinfer.bench.scrape import check_drained, replica_counters, replica_report, replica_urls
+from asyncinfer.bench.search import Slo, bisect_rates
 from asyncinfer.bench.service import service_report, service_traces
 from asyncinfer.bench.traffic import (
     WORKLOADS,
@@ -35,7 +38,16 @@ from asyncinfer.bench.traffic import (
     tenant_arrivals,
     tenant_name,
 )
+from asyncinfer.bench.workloads import (
+    NAMED_WORKLOADS,
+    check_workload_flags,
+    workload_from_flags,
+)
 from asyncinfer.errors import AsyncInferError
+
+DEFAULT_LONG_FACTOR = 30.0  # of --long-fraction
+DEFAULT_MAX_PROBES = 6  # of --rate-search
+PROBE_SHIFT = 7919  # a probe's prompt ids move by this times its index (prime to their range)
 
 # The --help text.
 DESCRIPTION = """\
@@ -45,17 +57,27 @@ Requests of random token ids (EOS ignored, so each yields exactly its output len
 as a seeded Poisson or gamma (bursty) process (``--rate``, ``--arrival``), one per tenant
 (``--tenant-rates``), or from closed-loop workers (``--concurrency``). Lengths are uniform or
 follow a named workload (``--workload chat``: lognormal, fitted to ShareGPT's published
-means); a share of the prompts can be made much longer (``--long-fraction``). Requests carry
-a tenant (``--tenants``: the OpenAI ``user`` field and an ``X-Tenant`` header) and a
-``priority`` (``--priorities``) drawn per request. TTFT, ITL, TPOT and end-to-end latency are
-measured client-side from the streamed chunks, for the whole run and per tenant, priority and
+means; ``long-chat``: long prompts among streaming chats; ``prefix-share``: a few long system
+prompts shared by many requests); a share of the prompts can be made much longer
+(``--long-fraction``). Requests carry a tenant (``--tenants``: the OpenAI ``user`` field and
+an ``X-Tenant`` header) and a ``priority`` (``--priorities``) drawn per request. TTFT, TPOT,
+the time between tokens (TBT: the gaps between streamed chunks, pooled and per request) and
+end-to-end latency are measured client-side, for the whole run and per tenant, priority and
 long or short prompt; with tenants, each one's weighted service over time too (see
 docs/workloads.md).
+
+``--slo-tbt-p99-ms`` (and ``--slo-ttft-p99-ms``) judge a run; with ``--rate-search LO:HI``
+the same requests are sent at rates chosen by bisection to find the highest that meets them
+(docs/benchmarks.md, "Time between tokens, capacity under a TBT SLO, ...").
 
 A hostile load (``--hangup-fraction``) has a seeded share of the requests close their
 connection mid-stream; afterwards the server's ``/metrics`` gauges tell whether it let go of
 everything those requests held (``--check-drained``).
 """
+
+
+def slo_of(args: argparse.Namespace) -> Slo:
+    return Slo(args.slo_tbt_p99_ms, args.slo_ttft_p99_ms)
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -72,6 +94,7 @@ def _check_options(args: argparse.Namespace) -> None:
     if args.workload == "chat" and fixed:
         raise AsyncInferError(f"--workload chat draws its own lengths: drop "
                               f"{' and '.join(fixed)}, or set --input-mean/--output-mean")
+    check_workload_flags(args)
     if args.tenants and args.tenant_rates:
         raise AsyncInferError("give --tenants (shares of one arrival process) or "
                               "--tenant-rates (a process per tenant), not both")
@@ -80,6 +103,11 @@ def _check_options(args: argparse.Namespace) -> None:
                               "Poisson; 1: Poisson)")
     if args.arrival != "gamma" and args.burstiness is not None:
         raise AsyncInferError("--burstiness shapes gamma arrivals: add --arrival gamma")
+    if args.rate_search and slo_of(args) == Slo():
+        raise AsyncInferError("--rate-search finds the highest rate meeting an SLO: give "
+                              "--slo-tbt-p99-ms and/or --slo-ttft-p99-ms")
+    if args.max_probes is not None and not args.rate_search:
+        raise AsyncInferError("--max-probes bounds --rate-search: add --rate-search LO:HI")
     if args.arrival == "gamma" and args.concurrency:
         raise AsyncInferError("--arrival gamma times an open loop: use --rate or "
                               "--tenant-rates, not --concurrency")
@@ -99,12 +127,15 @@ def plan_run(args: argparse.Namespace
              ) -> tuple[list[RequestSpec], list[float] | None, list[str] | None, float]:
     """The requests the flags ask for, their send times (None: a closed loop), their tenants
     (None: untenanted) and the total rate."""
-    input_dist, output_dist = workload_lengths(args)
-    specs = make_requests(args.num_requests, input_dist, output_dist, args.seed,
-                          args.prefix_groups, args.prefix_len)
-    if args.long_fraction:
-        specs = plan_long(specs, args.long_fraction, args.long_factor, args.seed,
-                          args.max_input_len)
+    if args.workload in NAMED_WORKLOADS:
+        specs = workload_from_flags(args).requests(args.num_requests, args.seed)
+    else:
+        input_dist, output_dist = workload_lengths(args)
+        specs = make_requests(args.num_requests, input_dist, output_dist, args.seed,
+                              args.prefix_groups or 0, args.prefix_len or 0)
+        if args.long_fraction:
+            specs = plan_long(specs, args.long_fraction, _long_factor(args), args.seed,
+                              args.max_input_len)
     if args.hangup_fraction:
         specs = plan_hangups(specs, args.hangup_fraction, args.seed)
     burstiness = args.burstiness or 1.0
@@ -125,14 +156,74 @@ def plan_run(args: argparse.Namespace
     return label_requests(specs, tenants, priorities), schedule, tenants, rate
 
 
+def _long_factor(args: argparse.Namespace) -> float:
+    return DEFAULT_LONG_FACTOR if args.long_factor is None else args.long_factor
+
+
+def _length_params(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str, Any]:
+    """The report's record of the lengths: the distributions, or the named workload's."""
+    if args.workload in NAMED_WORKLOADS:
+        workload = workload_from_flags(args)
+        prompts, outputs = [len(s.prompt) for s in specs], [s.output_len for s in specs]
+        return {"input_len": [min(prompts), max(prompts)] if specs else None,
+                "output_len": [min(outputs), max(outputs)] if specs else None,
+                "input_dist": None, "output_dist": None, "workload_spec": workload.describe(),
+                "long_fraction": getattr(workload, "long_fraction", None), "long_factor": None,
+                "prefix_groups": getattr(workload, "groups", None),
+                "prefix_len": getattr(workload, "prefix_len", None)}
+    input_dist, output_dist = workload_lengths(args)
+    long = bool(args.long_fraction)
+    return {"input_len": [input_dist.lo, input_dist.hi],
+            "output_len": [output_dist.lo, output_dist.hi],
+            "input_dist": input_dist.describe(), "output_dist": output_dist.describe(),
+            "workload_spec": None, "long_fraction": args.long_fraction or 0.0,
+            "long_factor": _long_factor(args) if long else None,
+            "prefix_groups": args.prefix_groups or 0, "prefix_len": args.prefix_len or 0}
+
+
+Run = Callable[[list[RequestSpec], list[float] | None, str],
+               tuple[list[RequestResult], float]]
+
+
+def _search(args: argparse.Namespace, specs: list[RequestSpec], slo: Slo,
+            run: Run) -> tuple[list[RequestResult], float, float, dict[str, Any]]:
+    """``--rate-search``: each probe the same requests at its rate, recorded whole, their ids
+    shifted per probe so that no probe finds an earlier one's prompts in the prefix cache;
+    returns the results, duration and rate of the capacity probe (the lowest one when none
+    met the SLO), and the search's record."""
+    lo, hi = args.rate_search
+    runs: dict[float, tuple[list[RequestResult], float]] = {}
+    probes: list[dict[str, Any]] = []
+
+    def meets(rate: float) -> bool:
+        schedule = arrival_schedule(len(specs), rate, args.seed, args.burstiness or 1.0)
+        shifted = shift_ids(specs, PROBE_SHIFT * len(probes))
+        results, duration = run(shifted, schedule, f"{rate:.3g} req/s")
+        runs[rate] = results, duration
+        summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+        misses = slo.misses(summary)
+        probes.append({"rate": rate, "meets_slo": not misses, "misses": misses,
+                       "summary": {**summary, "groups": group_summaries(
+                           results, duration, args.slo_ttft_ms, args.slo_tpot_ms)},
+                       "requests": [request_row(r) for r in results]})
+        return not misses
+
+    found = bisect_rates(meets, lo, hi, args.max_probes or DEFAULT_MAX_PROBES)
+    shown = lo if found["capacity"] is None else found["capacity"]
+    search = {"range": [lo, hi], "max_probes": args.max_probes or DEFAULT_MAX_PROBES,
+              "slo": slo.describe(), "capacity": found["capacity"], "missed": found["missed"],
+              "probes": probes}
+    return *runs[shown], shown, search
+
+
 def main(args: argparse.Namespace) -> int:
-    """`asyncinfer bench serve`: run the load, check the server drained (see ``--check-drained``),
-    print the table, write ``--json``; exit status 1 when no kept request completed, or when
-    the drain check failed, timed out or found KV pages still used."""
+    """`asyncinfer bench serve`: run the load (or, with ``--rate-search``, one a probe), check
+    the server drained (see ``--check-drained``), print the table, write ``--json``; exit
+    status 1 when no kept request completed, or when the drain check failed, timed out or
+    found KV pages still used. Missing an SLO is a finding, not a failure."""
     from tqdm import tqdm
 
     _check_options(args)
-    input_dist, output_dist = workload_lengths(args)
     specs, schedule, tenants, rate = plan_run(args)
     check = args.check_drained if args.check_drained is not None else args.hangup_fraction > 0
     base = args.url.rstrip("/")
@@ -140,34 +231,44 @@ def main(args: argparse.Namespace) -> int:
     counted = replica_counters(replicas)
     # A router reads prompts as text (and refuses ids): words stand in for the ids then.
     text = args.prompt_format == "text" or (args.prompt_format is None and replicas != [base])
-    with tqdm(total=len(specs), desc="requests", disable=None) as progress:
-        model, results, duration = asyncio.run(run_load(
-            base, args.model, specs, schedule=schedule, concurrency=args.concurrency,
-            api_key=args.api_key, timeout=args.timeout, on_done=progress.update, text=text))
+    model = args.model
+
+    def run(sent: list[RequestSpec], schedule: list[float] | None,
+            desc: str) -> tuple[list[RequestResult], float]:
+        nonlocal model
+        with tqdm(total=len(sent), desc=desc, disable=None) as progress:
+            model, results, duration = asyncio.run(run_load(
+                base, model, sent, schedule=schedule, concurrency=args.concurrency,
+                api_key=args.api_key, timeout=args.timeout, on_done=progress.update,
+                text=text))
+        return results, duration
+
+    slo = slo_of(args)
+    search = None
+    if args.rate_search:
+        results, duration, rate, search = _search(args, specs, slo, run)
+    else:
+        results, duration = run(specs, schedule, "requests")
     per_replica = replica_report(counted, replica_counters(replicas))
     drain = None
     if check:
         drain = asyncio.run(check_drained(base, api_key=args.api_key,
                                           timeout=args.drain_timeout))
-    load = ("closed_loop" if args.concurrency else "burst" if math.isinf(rate) else
-            "gamma" if args.arrival == "gamma" else "poisson")
+    load = ("rate_search" if search else "closed_loop" if args.concurrency else
+            "burst" if math.isinf(rate) else "gamma" if args.arrival == "gamma" else "poisson")
     params = {"url": base, "model": model, "policy": args.policy, "load": load,
-              "rate": rate if load in ("poisson", "gamma") else None,
+              "rate": rate if load in ("poisson", "gamma", "rate_search") else None,
               "concurrency": args.concurrency, "num_requests": args.num_requests,
-              "workload": args.workload, "input_len": [input_dist.lo, input_dist.hi],
-              "output_len": [output_dist.lo, output_dist.hi],
-              "input_dist": input_dist.describe(), "output_dist": output_dist.describe(),
+              "workload": args.workload, **_length_params(args, specs),
               "arrival": args.arrival, "burstiness": args.burstiness,
               "tenants": args.tenants, "tenant_rates": args.tenant_rates,
               "priorities": (None if args.priorities is None else
                              {str(k): v for k, v in args.priorities.items()}),
-              "long_fraction": args.long_fraction,
-              "long_factor": args.long_factor if args.long_fraction else None,
-              "max_input_len": args.max_input_len if args.long_fraction else None,
-              "prefix_groups": args.prefix_groups,
-              "prefix_len": args.prefix_len, "prompt_format": "text" if text else "ids",
+              "max_input_len": args.max_input_len,
+              "prompt_format": "text" if text else "ids",
               "seed": args.seed, "slo_ttft_ms": args.slo_ttft_ms,
-              "slo_tpot_ms": args.slo_tpot_ms, "timeout_s": args.timeout,
+              "slo_tpot_ms": args.slo_tpot_ms, **slo.describe(),
+              "timeout_s": args.timeout,
               "hangup_fraction": args.hangup_fraction, "check_drained": check,
               "drain_timeout_s": args.drain_timeout if check else None}
     service = None
@@ -176,10 +277,15 @@ def main(args: argparse.Namespace) -> int:
                    **service_report(service_traces(results, args.service_w_in,
                                                    args.service_w_out),
                                     args.service_bucket_s)}
-    report = {"benchmark": "serve", "params": params,
-              **summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms),
+    summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+    verdict = None
+    if slo != Slo():
+        misses = slo.misses(summary)
+        verdict = {**slo.describe(), "meets": not misses, "misses": misses}
+    report = {"benchmark": "serve", "params": params, **summary,
               "groups": group_summaries(results, duration, args.slo_ttft_ms,
                                         args.slo_tpot_ms),
+              "slo": verdict, "rate_search": search,
               "service": service, "drain": drain, "replicas": per_replica,
               "requests": [request_row(r) for r in results]}
     print(format_report(report), flush=True)
@@ -192,7 +298,8 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Add ``serve`` to the ``asyncinfer bench`` subcommands; returns its parser."""
     parser = bench_subparsers.add_parser(
-        "serve", help="load a running OpenAI-compatible server: TTFT, TPOT, ITL, goodput",
+        "serve", help="load a running OpenAI-compatible server: TTFT, TPOT, TBT, goodput, "
+             "capacity under an SLO",
         description=DESCRIPTION)
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     parser.add_argument("--model", default=None,
@@ -211,12 +318,29 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                       help="one arrival process per tenant at its own rate (requests/s), "
                            "merged in time order until --num-requests; each request is "
                            "sent for its tenant (see --tenants)")
+    load.add_argument("--rate-search", type=argtypes.rate_range, default=None, metavar="LO:HI",
+                      help="capacity under the SLO (--slo-tbt-p99-ms, --slo-ttft-p99-ms): "
+                           "the highest Poisson rate in LO..HI req/s whose run meets it, by "
+                           "bisection (LO, HI, then midpoints), each probe the same requests "
+                           "at its rate (their ids shifted, so none is in the prefix cache "
+                           "from an earlier probe), recorded whole in the report")
+    parser.add_argument("--max-probes", type=argtypes.at_least_int(2), default=None,
+                        help=f"--rate-search runs at most this many probes (default "
+                             f"{DEFAULT_MAX_PROBES})")
     parser.add_argument("--num-requests", type=argtypes.positive_int, default=64,
                         help="requests to send")
-    parser.add_argument("--workload", choices=WORKLOADS, default="uniform",
+    parser.add_argument("--workload", choices=(*WORKLOADS, *NAMED_WORKLOADS),
+                        default="uniform",
                         help="lengths: uniform (--input-len, --input-len-range ...), or chat: "
                              "lognormal, fitted to ShareGPT's means (prompt 161, output 338 "
-                             "tokens; see docs/workloads.md). Default uniform")
+                             "tokens; see docs/workloads.md); long-chat: a --long-fraction "
+                             "(0.25) of prompts of --long-input-range (1024,2048) tokens and "
+                             "--long-output-range (16,64) outputs among chats of "
+                             "--input-len-range (32,128) and --output-len-range (64,192); "
+                             "prefix-share: --prefix-groups (4) system prompts of "
+                             "--prefix-len (1024) tokens shared evenly, each followed by "
+                             "--input-len-range (16,64) tokens, outputs of "
+                             "--output-len-range (32,96). Default uniform")
     parser.add_argument("--input-mean", type=argtypes.above_zero("tokens"), default=None,
                         help="--workload chat: the prompts' mean length before clipping")
     parser.add_argument("--output-mean", type=argtypes.above_zero("tokens"), default=None,
@@ -229,9 +353,9 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-format", choices=["ids", "text"], default=None,
                         help="send prompts as token ids, or as words (about a token each) "
                              "(default: text through a router, which refuses ids; else ids)")
-    parser.add_argument("--prefix-groups", type=int, default=0,
+    parser.add_argument("--prefix-groups", type=argtypes.at_least_int(0), default=None,
                         help="requests share this many prompt prefixes, in turn (0: none)")
-    parser.add_argument("--prefix-len", type=int, default=0,
+    parser.add_argument("--prefix-len", type=argtypes.at_least_int(0), default=None,
                         help="tokens of each shared prefix, before each request's own "
                              "--input-len")
     parser.add_argument("--input-len-range", type=argtypes.length_range, default=None,
@@ -257,12 +381,17 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                         help="each request's integer 'priority' field (lower runs first with "
                              "the priority policy), drawn with these shares; reports per "
                              "priority")
-    parser.add_argument("--long-fraction", type=argtypes.share, default=0.0, metavar="F",
+    parser.add_argument("--long-fraction", type=argtypes.share, default=None, metavar="F",
                         help="this share of the requests (a seeded choice) get prompts "
                              "--long-factor times as long; reports long and short apart. "
                              "Default 0")
-    parser.add_argument("--long-factor", type=argtypes.at_least(1), default=30.0, metavar="K",
-                        help="how many times longer a long prompt is (default 30)")
+    parser.add_argument("--long-factor", type=argtypes.at_least(1), default=None, metavar="K",
+                        help=f"how many times longer a long prompt is (default "
+                             f"{DEFAULT_LONG_FACTOR:g})")
+    parser.add_argument("--long-input-range", type=argtypes.length_range, default=None,
+                        metavar="LO,HI", help="--workload long-chat: its long prompts' lengths")
+    parser.add_argument("--long-output-range", type=argtypes.length_range, default=None,
+                        metavar="LO,HI", help="--workload long-chat: its long requests' outputs")
     parser.add_argument("--max-input-len", type=argtypes.positive_int, default=None,
                         help="the longest a long prompt may be made (keep prompt and output "
                              "within the model's context)")
@@ -282,6 +411,13 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                         help="goodput counts requests with TTFT at most this")
     parser.add_argument("--slo-tpot-ms", type=float, default=None,
                         help="goodput counts requests with TPOT at most this")
+    parser.add_argument("--slo-tbt-p99-ms", type=argtypes.above_zero("ms"), default=None,
+                        help="an SLO on the run's P99 time between tokens (every gap of "
+                             "every request pooled): the report says whether it was met; "
+                             "--rate-search finds the highest rate meeting it")
+    parser.add_argument("--slo-ttft-p99-ms", type=argtypes.above_zero("ms"), default=None,
+                        help="an SLO on the run's P99 TTFT, as --slo-tbt-p99-ms (both must "
+                             "be met when both are given)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds one request may take, from sending to its last chunk")
     parser.add_argument("--hangup-fraction", type=argtypes.fraction, default=0.0, metavar="F",
