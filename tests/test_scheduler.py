@@ -31,7 +31,7 @@ from asyncinfer.config import EngineConfig
 from asyncinfer.errors import EngineError
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import Decision, Policy
-from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, Priority, SkipAhead
+from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, Priority, SkipAhead, StallFree
 from asyncinfer.scheduler.request import Req, RowState
 from asyncinfer.scheduler.scheduler import ScheduledBatch, Scheduler
 from asyncinfer.scheduler.table import RowTable
@@ -142,7 +142,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         batches_before = len(self.engine.batches)
         decision_before = sched.last_decision
         running_before = set(sched.running)
+        due = {r.uid for r in sched.running.values() if r.device_len < r.max_len and not r.suspect}
         events = self._advance()
+        if isinstance(self.policy, StallFree) and due and not waiting_suspects:
+            # No stall: every running request with a token to compute decodes this round.
+            assert len(self.engine.batches) > batches_before
+            stalled = due - {r.uid for r in sched.last_scheduled.reqs}
+            assert not stalled, f"running requests {stalled} left out of a round"
         if len(self.engine.batches) > batches_before:
             batch = self.engine.batches[-1]
             assert batch.size <= self.engine.max_rows
@@ -238,6 +244,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             if reason in ("length", "stop"):
                 assert self.outputs[uid] == self.expected[uid], f"request {uid} output differs"
         # Preempted requests jump the queue, and suspects the policy: no bound holds then.
+        if isinstance(self.policy, StallFree) and not self.disturbed:
+            rows, limit = self.engine.max_rows, self.config.max_extend_tokens
+            budget = min(self.policy.token_budget or limit, limit)
+            chunks = math.ceil(40 / (budget - rows + 1)) if self.config.chunked_prefill else 1
+            for uid, admitted in self.admitted.items():
+                bound = (self.unfinished_before[uid] + 1) * (chunks + MAX_TOKENS + 1)
+                assert admitted - self.arrived[uid] <= bound, (uid, admitted, bound)
         if isinstance(self.policy, SkipAhead) and not self.disturbed:
             chunks = math.ceil(CONTEXT / BUDGET)
             for uid, admitted in self.admitted.items():
@@ -294,7 +307,7 @@ SETTINGS = settings(max_examples=40, stateful_step_count=60, deadline=None,
     PrefillFirst(), DecodeFirst(max_decode_rounds=2), DecodeFirst(max_decode_rounds=1),
     SkipAhead(aging=1.0, threshold=6.0), SkipAhead(aging=0.5, threshold=3.0),
     Priority(), Priority(aging=0.0), Priority(aging=1.0, preempt=False),
-    RandomMixed(0), RandomMixed(1),
+    RandomMixed(0), RandomMixed(1), StallFree(), StallFree(token_budget=10),
 ], ids=lambda p: f"{p.name}")
 def test_scheduler_invariants_hold_under_random_traffic(policy: Policy) -> None:
     machine = _machine(policy)
