@@ -442,3 +442,37 @@ def test_equal_priorities_never_preempt_each_other() -> None:
     same = attrs.evolve(view, running=(RunningRequest(1, 20, 4, priority=1),))
     assert Priority().decide(same).preempt == ()
     assert Priority(preempt=False).decide(view).preempt == ()
+
+
+def test_a_failed_mixed_batch_recovers_its_members_alone_with_their_tokens() -> None:
+    """Under stall_free a decoding request and a new prompt share a batch whose forward
+    fails: both become suspects, each next runs alone (the other waits), and both end with
+    the tokens they produce alone."""
+    engine = FakeEngine(num_pages=64, page_size=4, max_rows=4, context_len=128)
+    sched = Scheduler(engine, StallFree(), EngineConfig(max_extend_tokens=16), frozenset())
+    prompts = {0: [5, 6, 7, 8, 9], 1: list(range(10, 40))}
+    outputs: dict[int, list[int]] = {0: [], 1: []}
+
+    def record(events) -> None:  # type: ignore[no-untyped-def]
+        for event in events:
+            if event.token is not None:
+                outputs[event.uid].append(event.token)
+
+    sched.add_request(0, prompts[0], SamplingParams(max_tokens=12, temperature=0.0))
+    record(sched.step())
+    sched.add_request(1, prompts[1], SamplingParams(max_tokens=6, temperature=0.0))
+    failed = sched.schedule()
+    assert failed is not None and failed.phase == "mixed"
+    assert [r.uid for r in failed.reqs] == [0, 1] and failed.batch.num_tokens == 16
+    sched.recover(failed, None, "injected")
+    assert sched._suspects == {0, 1} and not sched.take_events()
+    alone = []
+    while sched.has_work:
+        before = len(engine.batches)
+        record(sched.step())
+        if sched._suspects and len(engine.batches) > before:
+            alone.append([r.uid for r in sched.last_scheduled.reqs])
+    assert alone and all(len(uids) == 1 for uids in alone)
+    for uid, n in ((0, 12), (1, 6)):
+        assert outputs[uid] == reference_output(prompts[uid], n, engine.vocab), uid
+    sched.check_invariants()
