@@ -19,6 +19,7 @@ from asyncinfer.policies import (
     RunningRequest,
     SchedulerView,
     SkipAhead,
+    StallFree,
     WaitingRequest,
     load_policy,
     registry,
@@ -31,7 +32,7 @@ from asyncinfer.policies.registry import (
 )
 
 BUILTINS = {"prefill_first": PrefillFirst, "decode_first": DecodeFirst, "skip_ahead": SkipAhead,
-            "priority": Priority}
+            "priority": Priority, "stall_free": StallFree}
 
 
 def waiting(uid: int, prefill: int = 100, waited: int = 0, chunked: bool = False,
@@ -166,6 +167,28 @@ def test_skip_ahead_rejects_options_out_of_range(options: dict[str, Any]) -> Non
         SkipAhead(**options)
 
 
+# ---- stall_free ----------------------------------------------------------------------------
+
+def test_stall_free_decodes_everything_and_prefills_in_arrival_order_in_its_budget() -> None:
+    v = view((waiting(7, 900, waited=5), waiting(3, 10)), (running(1), running(2)))
+    assert StallFree(token_budget=64).decide(v) == Decision.mixed([7, 3], "stop",
+                                                                 token_budget=64)
+    assert StallFree().decide(v) == Decision.mixed([7, 3], "stop")
+    assert StallFree().decide(v).decoding is None  # every running request
+
+
+def test_stall_free_takes_the_engines_budget_when_nothing_runs_and_decodes_when_none_waits(
+        ) -> None:
+    assert StallFree(token_budget=8).decide(view((waiting(4, 100),))) == Decision.mixed([4])
+    assert StallFree(token_budget=8).decide(view((), (running(1),))) == Decision.decode()
+
+
+@pytest.mark.parametrize("budget", [0, -3, 2.5, True, "64"])
+def test_stall_free_rejects_a_budget_that_is_not_a_positive_integer(budget: Any) -> None:
+    with pytest.raises(ConfigError, match="stall_free: option token_budget"):
+        StallFree(token_budget=budget)
+
+
 # ---- every policy: determinism -------------------------------------------------------------
 
 @st.composite
@@ -201,6 +224,7 @@ policy_specs: st.SearchStrategy[tuple[Any, dict[str, Any]]] = st.one_of(
     st.builds(lambda n: (DecodeFirst, {"max_decode_rounds": n}), st.integers(1, 12)),
     st.builds(lambda a, t: (SkipAhead, {"aging": a, "threshold": t}),
               st.floats(0.01, 10.0), st.floats(0.0, 500.0)),
+    st.builds(lambda b: (StallFree, {"token_budget": b}), st.none() | st.integers(1, 4096)),
 )
 
 
@@ -253,6 +277,7 @@ def test_available_policies_are_sorted_by_name() -> None:
 def test_load_policy_passes_options_to_the_factory() -> None:
     assert load_policy("skip_ahead", {"aging": 0.5}) == SkipAhead(aging=0.5)
     assert load_policy("decode_first", {"max_decode_rounds": 2}) == DecodeFirst(2)
+    assert load_policy("stall_free", {"token_budget": 96}) == StallFree(token_budget=96)
 
 
 def test_an_unknown_policy_name_is_an_error_that_lists_the_installed_names() -> None:

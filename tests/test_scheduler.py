@@ -1,7 +1,8 @@
 """The scheduler under random arrivals, lengths, aborts, preemptions and failed batches,
 driven with a fake engine whose KV pool runs short.
 
-For every built-in policy and both cache types: budgets are never exceeded, pages are
+For every built-in policy, and a random policy of mixed decisions, and both cache types:
+budgets (decode tokens counted in mixed batches) are never exceeded, pages are
 conserved after every step, finished and aborted requests hold nothing, every request
 finishes with the output it would have had alone (preempted and recovered ones too), a
 suspect never shares a batch, and each policy keeps its fairness promise. Rows go out
@@ -11,6 +12,7 @@ lowest first, and a request moves between its row states only as documented.
 from __future__ import annotations
 
 import math
+import random
 
 import attrs
 import pytest
@@ -29,7 +31,7 @@ from asyncinfer.config import EngineConfig
 from asyncinfer.errors import EngineError
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import Decision, Policy
-from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, Priority, SkipAhead
+from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, Priority, SkipAhead, StallFree
 from asyncinfer.scheduler.request import Req, RowState
 from asyncinfer.scheduler.scheduler import ScheduledBatch, Scheduler
 from asyncinfer.scheduler.table import RowTable
@@ -138,13 +140,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         waited_before = bool(sched.waiting)
         round_before = sched.round
         batches_before = len(self.engine.batches)
+        decision_before = sched.last_decision
+        running_before = set(sched.running)
+        due = {r.uid for r in sched.running.values() if r.device_len < r.max_len and not r.suspect}
         events = self._advance()
+        if isinstance(self.policy, StallFree) and due and not waiting_suspects:
+            # No stall: every running request with a token to compute decodes this round.
+            assert len(self.engine.batches) > batches_before
+            stalled = due - {r.uid for r in sched.last_scheduled.reqs}
+            assert not stalled, f"running requests {stalled} left out of a round"
         if len(self.engine.batches) > batches_before:
             batch = self.engine.batches[-1]
             assert batch.size <= self.engine.max_rows
             if batch.phase == "prefill" or any(not s for s in batch.sample):
                 assert batch.num_tokens <= self.config.max_extend_tokens
-            uids = [r.uid for r in _scheduled_reqs(sched, batch)]
+            reqs = _scheduled_reqs(sched, batch)
+            for req, end, sampled in zip(reqs, batch.ends, batch.sample):
+                assert not sampled or end < req.max_len, "sampled past its max tokens"
+            if sched.last_decision is not decision_before:  # the policy decided this round
+                self._check_decision(sched.last_decision, reqs, batch, running_before)
+            uids = [r.uid for r in reqs]
             new = [u for u in uids if u not in resumed and u in waiting_fresh]
             for u in new:
                 self.admitted.setdefault(u, round_before)
@@ -170,6 +185,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.inflight = launched
         sched.flush()
         return sched.take_events()
+
+    def _check_decision(self, decision, reqs, batch, running_before) -> None:  # type: ignore[no-untyped-def]
+        """A mixed batch decodes only the chosen running requests, one token each, and its
+        prefill tokens fit in what the decodes left of the round's budget."""
+        if decision is None or decision.action != "mixed":
+            return
+        decoded = [r.uid for r in reqs  # not a preempted one, prefilling again
+                   if r.uid in running_before and r.uid not in decision.preempt]
+        prefilled = len(decoded) < len(reqs)
+        if decision.decoding is not None and prefilled:  # else maybe the fallback decode
+            assert set(decoded) <= set(decision.decoding), (decoded, decision.decoding)
+        limit = self.config.max_extend_tokens
+        if decision.token_budget is not None:
+            limit = min(limit, decision.token_budget)
+        lens = dict(zip([r.uid for r in reqs], batch.extend_lens))
+        assert all(lens[u] == 1 for u in decoded)
+        prefill_tokens = batch.num_tokens - len(decoded)
+        assert prefill_tokens <= max(0, limit - len(decoded)), (prefill_tokens, limit, decoded)
 
     def _check_fairness(self, batch, new, waiting_fresh, streak, waited) -> None:  # type: ignore[no-untyped-def]
         if isinstance(self.policy, PrefillFirst) and new:
@@ -211,6 +244,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             if reason in ("length", "stop"):
                 assert self.outputs[uid] == self.expected[uid], f"request {uid} output differs"
         # Preempted requests jump the queue, and suspects the policy: no bound holds then.
+        if isinstance(self.policy, StallFree) and not self.disturbed:
+            rows, limit = self.engine.max_rows, self.config.max_extend_tokens
+            budget = min(self.policy.token_budget or limit, limit)
+            chunks = math.ceil(40 / (budget - rows + 1)) if self.config.chunked_prefill else 1
+            for uid, admitted in self.admitted.items():
+                bound = (self.unfinished_before[uid] + 1) * (chunks + MAX_TOKENS + 1)
+                assert admitted - self.arrived[uid] <= bound, (uid, admitted, bound)
         if isinstance(self.policy, SkipAhead) and not self.disturbed:
             chunks = math.ceil(CONTEXT / BUDGET)
             for uid, admitted in self.admitted.items():
@@ -221,6 +261,36 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 def _scheduled_reqs(sched: Scheduler, batch):  # type: ignore[no-untyped-def]
     return sched.last_scheduled.reqs
+
+
+@attrs.frozen
+class RandomMixed:
+    """Random decisions, mostly mixed: all or some running requests decode, the waiting ones
+    in a shuffled order, stop or skip, at times a smaller budget or a preemption. Drawn from
+    the round, so the same views give the same decisions."""
+
+    seed: int = 0
+    name = "random_mixed"
+
+    def decide(self, view):  # type: ignore[no-untyped-def]
+        rng = random.Random(view.round * 7919 + self.seed)
+        waiting = [r.uid for r in view.waiting]
+        running = [r.uid for r in view.running]
+        rng.shuffle(waiting)
+        kind = rng.random()
+        if kind < 0.1 and running:
+            return Decision.decode()
+        if kind < 0.2:
+            return Decision.prefill(waiting, rng.choice(["stop", "skip"]))
+        decode = None if rng.random() < 0.5 else rng.sample(running, rng.randint(0, len(running)))
+        preempt = rng.sample(running, 1) if running and rng.random() < 0.05 else ()
+        budget = None if rng.random() < 0.5 else rng.randint(1, 2 * BUDGET)
+        offered = waiting[: rng.randint(0, len(waiting))] if rng.random() < 0.2 else waiting
+        if not running:  # the contract: offer every waiting request to an idle engine
+            offered, budget = waiting, None
+        offered = [*offered, *preempt]  # and what it preempts, which may leave it idle
+        return Decision.mixed(offered, rng.choice(["stop", "skip"]), decode=decode,
+                              preempt=preempt, token_budget=budget)
 
 
 def _machine(policy: Policy) -> type[SchedulerMachine]:
@@ -237,6 +307,7 @@ SETTINGS = settings(max_examples=40, stateful_step_count=60, deadline=None,
     PrefillFirst(), DecodeFirst(max_decode_rounds=2), DecodeFirst(max_decode_rounds=1),
     SkipAhead(aging=1.0, threshold=6.0), SkipAhead(aging=0.5, threshold=3.0),
     Priority(), Priority(aging=0.0), Priority(aging=1.0, preempt=False),
+    RandomMixed(0), RandomMixed(1), StallFree(), StallFree(token_budget=10),
 ], ids=lambda p: f"{p.name}")
 def test_scheduler_invariants_hold_under_random_traffic(policy: Policy) -> None:
     machine = _machine(policy)
@@ -371,3 +442,37 @@ def test_equal_priorities_never_preempt_each_other() -> None:
     same = attrs.evolve(view, running=(RunningRequest(1, 20, 4, priority=1),))
     assert Priority().decide(same).preempt == ()
     assert Priority(preempt=False).decide(view).preempt == ()
+
+
+def test_a_failed_mixed_batch_recovers_its_members_alone_with_their_tokens() -> None:
+    """Under stall_free a decoding request and a new prompt share a batch whose forward
+    fails: both become suspects, each next runs alone (the other waits), and both end with
+    the tokens they produce alone."""
+    engine = FakeEngine(num_pages=64, page_size=4, max_rows=4, context_len=128)
+    sched = Scheduler(engine, StallFree(), EngineConfig(max_extend_tokens=16), frozenset())
+    prompts = {0: [5, 6, 7, 8, 9], 1: list(range(10, 40))}
+    outputs: dict[int, list[int]] = {0: [], 1: []}
+
+    def record(events) -> None:  # type: ignore[no-untyped-def]
+        for event in events:
+            if event.token is not None:
+                outputs[event.uid].append(event.token)
+
+    sched.add_request(0, prompts[0], SamplingParams(max_tokens=12, temperature=0.0))
+    record(sched.step())
+    sched.add_request(1, prompts[1], SamplingParams(max_tokens=6, temperature=0.0))
+    failed = sched.schedule()
+    assert failed is not None and failed.phase == "mixed"
+    assert [r.uid for r in failed.reqs] == [0, 1] and failed.batch.num_tokens == 16
+    sched.recover(failed, None, "injected")
+    assert sched._suspects == {0, 1} and not sched.take_events()
+    alone = []
+    while sched.has_work:
+        before = len(engine.batches)
+        record(sched.step())
+        if sched._suspects and len(engine.batches) > before:
+            alone.append([r.uid for r in sched.last_scheduled.reqs])
+    assert alone and all(len(uids) == 1 for uids in alone)
+    for uid, n in ((0, 12), (1, 6)):
+        assert outputs[uid] == reference_output(prompts[uid], n, engine.vocab), uid
+    sched.check_invariants()

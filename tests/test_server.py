@@ -64,6 +64,7 @@ class Stats:
     round_host_seconds: float = 0.25
     round_wait_seconds: float = 0.75
     device_busy_seconds: float = 0.5
+    batches_mixed: int = 4
 
 
 @define(slots=False)
@@ -515,6 +516,7 @@ async def test_metrics_exposes_outcomes_tokens_latencies_and_engine_state(
                  "asyncinfer_kv_pages_used 3.0", "asyncinfer_kv_pages_total 40.0",
                  'asyncinfer_batches_total{phase="prefill"} 5.0',
                  'asyncinfer_batches_total{phase="decode"} 6.0',
+                 'asyncinfer_batches_total{phase="mixed"} 4.0',
                  "asyncinfer_prefix_cache_queries_total 7.0",
                  "asyncinfer_prefix_cache_hits_total 2.0",
                  "asyncinfer_prefix_cache_query_tokens_total 90.0",

@@ -144,7 +144,8 @@ def run_ranks(world: int, model: Path, options: dict[str, Any], tmp: Path,
 
 @pytest.mark.parametrize(("model", "policy"), [
     ("tiny_llama_dir", "prefill_first"), ("tiny_llama_dir", "decode_first"),
-    ("tiny_llama_dir", "skip_ahead"), ("tiny_qwen3_dir", "prefill_first")])
+    ("tiny_llama_dir", "skip_ahead"), ("tiny_llama_dir", "stall_free"),
+    ("tiny_qwen3_dir", "prefill_first")])
 def test_two_ranks_give_one_ranks_greedy_tokens(model: str, policy: str, tmp_path: Path,
                                                 request: pytest.FixtureRequest) -> None:
     """Untied (llama) and tied (qwen3) vocabularies, chunked prefill (48-token rounds),

@@ -70,7 +70,7 @@ class Coordinator:
         self.launch = launch
         self.synchronize = synchronize or (lambda: None)
         self.overlap = overlap
-        self.batches = {"prefill": 0, "decode": 0}
+        self.batches = {"prefill": 0, "decode": 0, "mixed": 0}
         self._commands: asyncio.Queue[_Add | _Abort | None] = asyncio.Queue()
         self._channels: dict[int, Channel] = {}
         self._queued_adds = 0                   # requests added but not yet applied
@@ -393,6 +393,7 @@ class Coordinator:
                 "kv_pages_used": total - sched.kv.allocator.num_free - sched.kv.cached_pages,
                 "batches_prefill": self.batches["prefill"],
                 "batches_decode": self.batches["decode"],
+                "batches_mixed": self.batches["mixed"],
                 "prefix_cache_queries": prefix.queries, "prefix_cache_hits": prefix.hits,
                 "prefix_cache_query_tokens": prefix.query_tokens,
                 "prefix_cache_hit_tokens": prefix.hit_tokens,

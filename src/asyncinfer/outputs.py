@@ -73,6 +73,7 @@ class EngineStats:
     round_host_seconds: float = 0.0
     round_wait_seconds: float = 0.0
     device_busy_seconds: float = 0.0
+    batches_mixed: int = 0
 
 
 class Channel(Protocol):

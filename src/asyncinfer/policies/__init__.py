@@ -8,7 +8,13 @@ from asyncinfer.policies.base import (
     TenantService,
     WaitingRequest,
 )
-from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, Priority, SkipAhead
+from asyncinfer.policies.builtin import (
+    DecodeFirst,
+    PrefillFirst,
+    Priority,
+    SkipAhead,
+    StallFree,
+)
 from asyncinfer.policies.registry import load_policy
 
 __all__ = [
@@ -20,6 +26,7 @@ __all__ = [
     "RunningRequest",
     "SchedulerView",
     "SkipAhead",
+    "StallFree",
     "TenantService",
     "WaitingRequest",
     "load_policy",

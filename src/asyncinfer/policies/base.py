@@ -11,6 +11,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from attrs import field, frozen
 
 
+def _optional_tuple(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
+
+
 @frozen
 class WaitingRequest:
     """A request waiting for (the rest of) its prefill."""
@@ -68,12 +72,19 @@ class SchedulerView:
 class Decision:
     """Decode the running set, or prefill from ``candidates`` (uids, in order), stopping at
     or skipping a misfit (``on_misfit``); a prefill that admits nothing decodes instead.
-    ``preempt``: running requests to re-queue first; they resume with the same tokens."""
+    ``preempt``: running requests to re-queue first; they resume with the same tokens.
 
-    action: Literal["prefill", "decode"]
+    "mixed": one batch of both, the running requests in ``decoding`` (None: all) decoding
+    and the candidates prefilling in what is left of the round's budget (``token_budget``,
+    at most the engine's; each decoding request counts one token). See
+    docs/architecture.md, 'Mixed batches'."""
+
+    action: Literal["prefill", "decode", "mixed"]
     candidates: tuple[int, ...] = field(default=(), converter=tuple)
     on_misfit: Literal["stop", "skip"] = "stop"
     preempt: tuple[int, ...] = field(default=(), converter=tuple)
+    decoding: tuple[int, ...] | None = field(default=None, converter=_optional_tuple)
+    token_budget: int | None = None
 
     @classmethod
     def decode(cls) -> Decision:
@@ -85,6 +96,15 @@ class Decision:
                 preempt: Any = ()) -> Decision:
         """Admit from ``candidates`` in order (after preempting ``preempt``)."""
         return cls("prefill", tuple(candidates), on_misfit, tuple(preempt))
+
+    @classmethod
+    def mixed(cls, candidates: Any = (), on_misfit: Literal["stop", "skip"] = "stop",
+              decode: Any = None, preempt: Any = (), token_budget: int | None = None
+              ) -> Decision:
+        """Decode ``decode`` (running uids; None: every running request) and admit from
+        ``candidates`` in order into the rest of ``token_budget`` (None: the engine's)."""
+        return cls("mixed", tuple(candidates), on_misfit, tuple(preempt),
+                   None if decode is None else tuple(decode), token_budget)
 
 
 @runtime_checkable

@@ -130,6 +130,41 @@ class SkipAhead:
         return Decision.prefill((req.uid for req in old + young), "stop")
 
 
+def _optional_int_at_least(minimum: int) -> _Validator:
+    check = _int_at_least(minimum)
+
+    def optional(policy: Any, attribute: Attribute[Any], value: Any) -> None:
+        if value is not None:
+            check(policy, attribute, value)
+    return optional
+
+
+@frozen
+class StallFree:
+    """Every running request decodes every round; prefill chunks fill the rest of the budget.
+
+    Half-done chunk first, then FCFS, stopping at the first misfit (Sarathi-Serve's
+    stall-free batching). No stall: a running request decodes every round (but while a
+    suspect runs alone). Bound: admitted within ``(A + 1) * (C + D + 1)`` rounds of arrival
+    (A unfinished earlier arrivals, D the largest max_tokens, C the most chunks of one
+    prompt). See docs/architecture.md, 'Policies'."""
+
+    name = "stall_free"
+    options: ClassVar[dict[str, str]] = {
+        "token_budget": "tokens per round, one per decoding request included (>= 1; default: "
+                        "the engine's max_extend_tokens)",
+    }
+
+    token_budget: int | None = field(default=None, validator=_optional_int_at_least(1))
+
+    def decide(self, view: SchedulerView) -> Decision:
+        """Decode all and prefill FCFS in the rest; with nothing running, the engine's budget."""
+        if not view.waiting:
+            return Decision.decode()
+        budget = self.token_budget if view.running else None  # no stream to stall
+        return Decision.mixed((req.uid for req in view.waiting), "stop", token_budget=budget)
+
+
 @frozen
 class Priority:
     """By request priority (lower first), aged; a misfit preempts worse-priority requests.

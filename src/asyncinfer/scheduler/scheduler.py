@@ -191,7 +191,8 @@ class Scheduler:
             view = self.view()
             self._served.clear()  # the policy has seen it
             decision = self.last_decision = self.policy.decide(view)
-            batch = self._schedule_prefill(decision) if decision.action == "prefill" else None
+            batch = (self._schedule_prefill(decision) if decision.action == "prefill" else
+                     self._schedule_mixed(decision) if decision.action == "mixed" else None)
         if batch is None:
             batch = self._schedule_decode()
         if batch is None:
@@ -205,28 +206,72 @@ class Scheduler:
         return batch
 
     def _schedule_prefill(self, decision: Decision) -> ScheduledBatch | None:
+        self._preempt_for(decision)
+        adder = self._admit(decision, self._prefill_adder())
+        return self._build([], adder) if adder.admitted else None
+
+    def _schedule_mixed(self, decision: Decision) -> ScheduledBatch | None:
+        """Decode the chosen running requests and prefill candidates in the budget they leave;
+        decode pages are taken before admission counts what is free. See
+        docs/architecture.md, 'Mixed batches'."""
+        self._preempt_for(decision)
+        chosen = None if decision.decoding is None else set(decision.decoding)
+        decoding = self._decodable(chosen)
+        self._grow(decoding)
+        budget = self.config.max_extend_tokens
+        if decision.token_budget is not None:
+            budget = min(budget, decision.token_budget)
+        adder = self._admit(decision, self._prefill_adder(budget - len(decoding)))
+        return self._build(decoding, adder) if decoding or adder.admitted else None
+
+    def _preempt_for(self, decision: Decision) -> None:
         for uid in decision.preempt:  # running requests only; their KV stays valid
             if uid in self.running and not self.running[uid].suspect:
                 self.preempt(uid, keep_prefix=True)
+
+    def _admit(self, decision: Decision, adder: PrefillAdder) -> PrefillAdder:
+        """Offer the half-prefilled requests, then the decision's candidates, in order."""
         by_uid = {r.uid: r for r in self.waiting}
-        adder = self._prefill_adder()
         order = [r.uid for r in self.waiting if r.admitted]
         order += [u for u in decision.candidates if u in by_uid and not by_uid[u].admitted]
         for uid in order:
             if not adder.try_add(by_uid[uid]) and decision.on_misfit == "stop":
                 break
-        return self._build_prefill(adder) if adder.admitted else None
+        return adder
 
     def _schedule_alone(self, req: Req) -> ScheduledBatch | None:
         adder = self._prefill_adder()
-        return self._build_prefill(adder) if adder.try_add(req) else None
+        return self._build([], adder) if adder.try_add(req) else None
 
-    def _prefill_adder(self) -> PrefillAdder:
-        return PrefillAdder(self.kv, self.config.max_extend_tokens, self.table.num_free,
-                            self._reserved_pages(), self.config.chunked_prefill)
+    def _prefill_adder(self, budget: int | None = None) -> PrefillAdder:
+        return PrefillAdder(self.kv, self.config.max_extend_tokens if budget is None else budget,
+                            self.table.num_free, self._reserved_pages(),
+                            self.config.chunked_prefill)
 
-    def _build_prefill(self, adder: PrefillAdder) -> ScheduledBatch:
-        for req, end in adder.admitted:
+    def _decodable(self, chosen: set[int] | None = None) -> list[Req]:
+        """Running requests (in ``chosen``, if given) with a token left to compute."""
+        return [r for r in self._running_in_uid_order()
+                if r.device_len < r.max_len and not r.suspect
+                and (chosen is None or r.uid in chosen)]
+
+    def _grow(self, decoding: list[Req]) -> None:
+        """Give decoding requests crossing into a new page that page (reserved for them)."""
+        size = self.runner.page_size
+        for req in decoding:
+            if req.device_len > len(req.pages) * size:
+                self.kv.allocate(req, req.device_len)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        reqs = self._decodable()
+        if not reqs:
+            return None
+        self._grow(reqs)
+        return self._build(reqs, None)
+
+    def _build(self, decoding: list[Req], adder: PrefillAdder | None) -> ScheduledBatch:
+        """One batch: ``decoding``'s next tokens, then the admitted prefills or chunks."""
+        admitted = adder.admitted if adder is not None else []
+        for req, end in admitted:
             if req.row_state is RowState.CLAIMED:  # newly admitted: rows go in batch order
                 row = self.table.allocate()
                 req.take_row(row)
@@ -235,36 +280,27 @@ class Scheduler:
                 if req.preemptions == 0:  # its first admission: the prompt is served once
                     self._served.setdefault(req.params.tenant, [0, 0])[0] += len(req.prompt_ids)
             self.kv.allocate(req, end)
-        reqs = [req for req, _ in adder.admitted]
-        ends = [end for _, end in adder.admitted]
-        batch = Batch(rows=_rows(reqs), starts=[r.cached_len for r in reqs],
-                      ends=ends, params=[r.params for r in reqs],
-                      steps=[len(r.output_ids) for r in reqs],
-                      sample=[e == r.seq_len for r, e in zip(reqs, ends)])
-        for req, end in adder.admitted:
+        prefilling = [req for req, _ in admitted]
+        reqs = decoding + prefilling
+        batch = Batch(rows=_rows(reqs),
+                      starts=[r.device_len - 1 for r in decoding] + [r.cached_len
+                                                                     for r in prefilling],
+                      ends=[r.device_len for r in decoding] + [end for _, end in admitted],
+                      params=[r.params for r in reqs],
+                      steps=[r.device_len - r.prompt_len for r in decoding] + [
+                          len(r.output_ids) for r in prefilling],
+                      sample=[True] * len(decoding) + [e == r.seq_len for r, e in admitted])
+        for req in decoding:
+            req.cached_len = req.device_len
+            req.device_len += 1
+        for req, end in admitted:
             req.cached_len = end
             if end == req.seq_len:  # its next token is on the way: it decodes from now on
                 req.device_len = end + 1
                 self.waiting.remove(req)
                 self.running[req.uid] = req
-        return ScheduledBatch(batch, reqs, "prefill")
-
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        reqs = [r for r in self._running_in_uid_order()
-                if r.device_len < r.max_len and not r.suspect]
-        if not reqs:
-            return None
-        size = self.runner.page_size
-        for req in reqs:
-            if req.device_len > len(req.pages) * size:  # crosses into a new page
-                self.kv.allocate(req, req.device_len)
-        batch = Batch(rows=_rows(reqs), starts=[r.device_len - 1 for r in reqs],
-                      ends=[r.device_len for r in reqs], params=[r.params for r in reqs],
-                      steps=[r.device_len - r.prompt_len for r in reqs])
-        for req in reqs:
-            req.cached_len = req.device_len
-            req.device_len += 1
-        return ScheduledBatch(batch, reqs, "decode")
+        phase = "mixed" if decoding and admitted else "decode" if decoding else "prefill"
+        return ScheduledBatch(batch, reqs, phase)
 
     def step(self) -> list[Event]:
         """One round without overlap: schedule, run the batch, process its results."""

@@ -47,6 +47,7 @@ class _EngineCollector(Collector):
                                       labels=["phase"])
         batches.add_metric(["prefill"], stats.batches_prefill)
         batches.add_metric(["decode"], stats.batches_decode)
+        batches.add_metric(["mixed"], stats.batches_mixed)
         yield batches
         counters = (
             ("prefix_cache_queries", "Prefix cache lookups (one per admitted request)",
