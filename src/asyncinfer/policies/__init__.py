@@ -8,19 +8,30 @@ from asyncinfer.policies.base import (
     TenantService,
     WaitingRequest,
 )
-from asyncinfer.policies.builtin import DecodeFirst, PrefillFirst, Priority, SkipAhead
+from asyncinfer.policies.builtin import (
+    DecodeFirst,
+    PrefillFirst,
+    Priority,
+    SkipAhead,
+)
 from asyncinfer.policies.registry import load_policy
+from asyncinfer.policies.view import SKIP_WINDOW, RunningView, WaitingView, candidates, fresh
 
 __all__ = [
+    "SKIP_WINDOW",
     "Decision",
     "DecodeFirst",
     "Policy",
     "PrefillFirst",
     "Priority",
     "RunningRequest",
+    "RunningView",
     "SchedulerView",
     "SkipAhead",
     "TenantService",
     "WaitingRequest",
+    "WaitingView",
+    "candidates",
+    "fresh",
     "load_policy",
 ]

@@ -66,6 +66,15 @@ class KVManager:
         """Pages ``req`` must still allocate to reach its longest possible length."""
         return self.pages_for(req.max_len) - len(req.pages)
 
+    @property
+    def cache_version(self) -> int:
+        """Changes whenever what a lookup can find changes."""
+        return self.prefix.version
+
+    def match_length(self, req: Req) -> int:
+        """Tokens of ``req``'s sequence the prefix cache holds now; pins and touches nothing."""
+        return self.prefix.match_length(req.token_ids() if req.output_ids else req.prompt_ids)
+
     def match(self, req: Req) -> None:
         """Attach the longest cached prefix of ``req``'s sequence to it and pin it."""
         found = self.prefix.match_prefix(req.token_ids() if req.output_ids else req.prompt_ids)
