@@ -48,6 +48,7 @@ class WaitingQueue:
         self._place: dict[int, int] = {}
         self._front = self._back = 0
         self._admitted: set[int] = set()
+        self.epoch = 0                      # bumped whenever ``_admitted`` changes
         self._tenants: dict[str, OrderedDict[int, None]] = {}
         self._indexes: OrderedDict[Hashable, _Index] = OrderedDict()
         self._matching = False              # matches are kept (a policy orders by them)
@@ -97,7 +98,9 @@ class WaitingQueue:
         if req is None:
             return None
         del self._place[uid]
-        self._admitted.discard(uid)
+        if uid in self._admitted:
+            self._admitted.remove(uid)
+            self.epoch += 1
         queue = self._tenants[req.params.tenant]
         del queue[uid]
         if not queue:
@@ -113,6 +116,7 @@ class WaitingQueue:
         """``req`` took its row while still waiting for part of its prefill."""
         if req.uid in self._reqs:
             self._admitted.add(req.uid)
+            self.epoch += 1
 
     def admitted(self) -> list[Req]:
         """The requests holding a row (half-prefilled), in queue order: O(rows)."""
@@ -271,6 +275,7 @@ class RunningSet(Mapping[int, Req]):
         self._order: list[int] = []
         self._list: list[Req] | None = []
         self._priorities: Counter[int] = Counter()
+        self.epoch = 0                      # bumped whenever a request comes or goes
 
     def __getitem__(self, uid: int) -> Req:
         return self._reqs[uid]
@@ -290,6 +295,7 @@ class RunningSet(Mapping[int, Req]):
         insort(self._order, uid)
         self._priorities[req.params.priority] += 1
         self._list = None
+        self.epoch += 1
 
     def __delitem__(self, uid: int) -> None:
         req = self._reqs.pop(uid)
@@ -298,6 +304,7 @@ class RunningSet(Mapping[int, Req]):
         if not self._priorities[req.params.priority]:
             del self._priorities[req.params.priority]
         self._list = None
+        self.epoch += 1
 
     def pop(self, uid: int, default: Req | None = None) -> Req | None:
         if uid not in self._reqs:

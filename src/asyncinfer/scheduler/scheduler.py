@@ -66,6 +66,7 @@ class Scheduler:
         self._deferred: list[tuple[int, Req, bool]] = []  # (batch seq, req, keep): to release
         self._suspects: set[int] = set()        # uids of suspects (see recover)
         self._served: dict[str, list[int]] = {}  # tenant -> [input, output] since the view
+        self._reserved: tuple[tuple[int, int, int], int] = ((-1, -1, -1), 0)  # (epochs, pages)
 
     def add_request(self, uid: int, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Queue a request; one that can never run finishes at once with an error event."""
@@ -347,10 +348,16 @@ class Scheduler:
             self._release(req, keep=False)
 
     def _reserved_pages(self) -> int:
-        size = self.runner.page_size
-        active = self.running.in_uid_order() + self.waiting.admitted()
-        return sum((len(r.prompt_ids) + r.max_tokens + size - 1) // size - len(r.pages)
-                   for r in active)
+        """Pages admitted requests may still claim: O(rows), once per change of their pages
+        or of who is admitted (the view and the prefill of one round share it)."""
+        epochs = (self.kv.epoch, self.running.epoch, self.waiting.epoch)
+        if epochs != self._reserved[0]:
+            size = self.runner.page_size
+            active = self.running.in_uid_order() + self.waiting.admitted()
+            self._reserved = epochs, sum(
+                (len(r.prompt_ids) + r.max_tokens + size - 1) // size - len(r.pages)
+                for r in active)
+        return self._reserved[1]
 
     def _release(self, req: Req, keep: bool) -> None:
         if self.in_flight:  # a launched batch may still read or write its row and pages
@@ -400,6 +407,10 @@ class Scheduler:
         rows = sorted(_rows(active) + self.table.free_rows)
         assert rows == list(range(self.runner.max_rows)), rows
         assert self._reserved_pages() <= self.kv.available_pages
+        size = self.runner.page_size
+        assert self._reserved_pages() == sum(
+            (r.max_len + size - 1) // size - len(r.pages)
+            for r in [*self.running.values(), *self.waiting] if r.admitted)
         suspects = {r.uid for r in [*self.waiting, *self.running.values()] if r.suspect}
         assert suspects == self._suspects, (suspects, self._suspects)
         self.waiting.check()
