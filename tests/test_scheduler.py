@@ -32,6 +32,7 @@ from asyncinfer.policies import view as policy_view
 from asyncinfer.policies.base import Decision, Policy
 from asyncinfer.policies.builtin import (
     DecodeFirst,
+    LongestPrefixMatch,
     PrefillFirst,
     Priority,
     SkipAhead,
@@ -217,7 +218,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if reason in ("length", "stop"):
                 assert self.outputs[uid] == self.expected[uid], f"request {uid} output differs"
         # Preempted requests jump the queue, and suspects the policy: no bound holds then.
-        if isinstance(self.policy, SkipAhead) and not self.disturbed:
+        if isinstance(self.policy, (SkipAhead, LongestPrefixMatch)) and not self.disturbed:
             chunks = math.ceil(CONTEXT / BUDGET)
             for uid, admitted in self.admitted.items():
                 bound = self.policy.old_after + (self.unfinished_before[uid] + 1) * (
@@ -243,6 +244,7 @@ SETTINGS = settings(max_examples=40, stateful_step_count=60, deadline=None,
     PrefillFirst(), DecodeFirst(max_decode_rounds=2), DecodeFirst(max_decode_rounds=1),
     SkipAhead(aging=1.0, threshold=6.0), SkipAhead(aging=0.5, threshold=3.0),
     Priority(), Priority(aging=0.0), Priority(aging=1.0, preempt=False),
+    LongestPrefixMatch(max_wait_rounds=6), LongestPrefixMatch(max_wait_rounds=2),
 ], ids=lambda p: f"{p.name}")
 def test_scheduler_invariants_hold_under_random_traffic(policy: Policy) -> None:
     machine = _machine(policy)

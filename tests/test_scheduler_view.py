@@ -15,6 +15,7 @@ from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import Decision, Policy, SchedulerView, WaitingRequest
 from asyncinfer.policies.builtin import (
     DecodeFirst,
+    LongestPrefixMatch,
     PrefillFirst,
     Priority,
     SkipAhead,
@@ -24,7 +25,7 @@ from asyncinfer.scheduler.scheduler import Scheduler
 from tests.fake_engine import FakeEngine
 
 POLICIES = [PrefillFirst(), DecodeFirst(), SkipAhead(), SkipAhead(threshold=3.0), Priority(),
-            Priority(preempt=False)]
+            Priority(preempt=False), LongestPrefixMatch(), LongestPrefixMatch(max_wait_rounds=4)]
 
 
 def counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -178,3 +179,61 @@ def test_the_queue_keeps_arrival_order_with_preempted_requests_in_front() -> Non
         sched.step()
     sched.check_invariants()
 
+
+# ---- lpm ------------------------------------------------------------------------------------
+
+def test_lpm_without_a_prefix_cache_is_first_come_first_served() -> None:
+    for seed in range(3):
+        assert trace(LongestPrefixMatch(), seed, "naive") == trace(PrefillFirst(), seed, "naive")
+
+
+def admission_order(policy: Policy) -> tuple[list[int], int]:
+    """One row. A runs while C1, W (sharing A's 12-token prefix) and C2 queue; W matches
+    nothing when it arrives, A's pages are cached only as it finishes. The order the three
+    were admitted in, and the tokens W found cached."""
+    engine = FakeEngine(num_pages=64, page_size=4, max_rows=1, context_len=64)
+    sched = Scheduler(engine, policy, EngineConfig(cache_type="radix", max_extend_tokens=64),
+                      frozenset())
+    shared = list(range(10, 22))
+    sched.add_request(0, [*shared, 1, 2], SamplingParams(max_tokens=3))
+    sched.step()
+    for uid, prompt in ((1, [30, 31, 32, 33, 34]), (2, [*shared, 5, 6]), (3, [40, 41, 42])):
+        sched.add_request(uid, prompt, SamplingParams(max_tokens=2))
+    order: list[int] = []
+    while sched.has_work:
+        order += [e.uid for e in sched.step() if e.uid not in order and e.uid]
+    sched.check_invariants()
+    return order, sched.kv.stats.hit_tokens
+
+
+def test_lpm_admits_the_request_the_cache_now_matches_before_earlier_cold_ones() -> None:
+    assert admission_order(PrefillFirst()) == ([1, 2, 3], 12)
+    assert admission_order(LongestPrefixMatch()) == ([2, 1, 3], 12)
+    assert admission_order(LongestPrefixMatch(max_wait_rounds=0)) == ([1, 2, 3], 12)
+
+
+def test_lpm_admits_a_cold_request_within_its_bound_under_a_stream_of_warm_ones() -> None:
+    """Two warm requests arrive every round behind one cold one: lpm would pass it forever
+    but for aging; it is admitted within max_wait_rounds + (A + 1) * (D + C + 1) rounds."""
+    engine = FakeEngine(num_pages=128, page_size=4, max_rows=2, context_len=64)
+    policy = LongestPrefixMatch(max_wait_rounds=5)
+    sched = Scheduler(engine, policy, EngineConfig(cache_type="radix", max_extend_tokens=64),
+                      frozenset())
+    shared = list(range(10, 26))
+    warm = SamplingParams(max_tokens=2)
+    sched.add_request(0, [*shared, 1], warm)
+    while sched.has_work:
+        sched.step()  # the shared prefix is cached now
+    uid, cold_admitted, arrived = 1, None, sched.round
+    sched.add_request(1000, [40, 41, 42, 43, 44], SamplingParams(max_tokens=2))
+    for _ in range(60):
+        for _ in range(2):
+            sched.add_request(uid, [*shared, uid % 40 + 1], warm)
+            uid += 1
+        events = sched.step()
+        if cold_admitted is None and any(e.uid == 1000 for e in events):
+            cold_admitted = sched.round
+    assert cold_admitted is not None
+    # A = 0 (the warm stream came after it), D = 2 tokens, C = 1 chunk.
+    assert cold_admitted - arrived <= policy.max_wait_rounds + (0 + 1) * (2 + 1 + 1)
+    assert cold_admitted - arrived > 1, "lpm should have passed it while it was young"

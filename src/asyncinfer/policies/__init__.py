@@ -10,6 +10,7 @@ from asyncinfer.policies.base import (
 )
 from asyncinfer.policies.builtin import (
     DecodeFirst,
+    LongestPrefixMatch,
     PrefillFirst,
     Priority,
     SkipAhead,
@@ -21,6 +22,7 @@ __all__ = [
     "SKIP_WINDOW",
     "Decision",
     "DecodeFirst",
+    "LongestPrefixMatch",
     "Policy",
     "PrefillFirst",
     "Priority",

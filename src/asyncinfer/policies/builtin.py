@@ -128,6 +128,35 @@ class SkipAhead:
 
 
 @frozen
+class LongestPrefixMatch:
+    """Admit the longest prefix-cache match first; one that waited long goes first.
+
+    Bound: admitted within ``max_wait_rounds + (A + 1) * (D + C + 1)`` rounds of arrival,
+    as skip_ahead's. See docs/architecture.md, 'Policies'."""
+
+    name = "lpm"
+    options: ClassVar[dict[str, str]] = {
+        "max_wait_rounds": "rounds a request may wait before it goes first, in arrival "
+                           "order, and nothing passes it (>= 0; 0 is FCFS)",
+    }
+
+    max_wait_rounds: int = field(default=64, validator=_int_at_least(0))
+
+    @property
+    def old_after(self) -> int:
+        return self.max_wait_rounds
+
+    def decide(self, view: SchedulerView) -> Decision:
+        """The old in arrival order, then the longest match first; stop at a misfit."""
+        if not view.waiting:
+            return Decision.decode()
+        order = view.waiting.longest_match_first()
+        uids, on_misfit = candidates(view.waiting, view.free_slots, order, self.old_after,
+                                     "stop")
+        return Decision.prefill(uids, on_misfit)
+
+
+@frozen
 class Priority:
     """By request priority (lower first), aged; a misfit preempts worse-priority requests.
 
