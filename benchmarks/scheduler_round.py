@@ -125,6 +125,16 @@ def machine() -> dict[str, Any]:
             "load_average": list(os.getloadavg())}
 
 
+def _without_json(args: list[str]) -> list[str]:
+    kept, skip = [], False
+    for arg in args:
+        if skip or arg.startswith("--json"):
+            skip = arg == "--json"
+            continue
+        kept.append(arg)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scheduler_round",
                                      description=__doc__,
@@ -162,8 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     base, deepest = str(min(args.depths)), str(max(args.depths))
     record = {
         "benchmark": "scheduler round",
-        "command": "python -m benchmarks.scheduler_round " + " ".join(
-            argv if argv is not None else sys.argv[1:]),
+        # Where the record was written is no part of the command that measured it.
+        "command": "python -m benchmarks.scheduler_round " + " ".join(_without_json(
+            argv if argv is not None else sys.argv[1:])),
         "commit": git_commit(), "machine": machine(),
         "setting": {"rows": args.rows, "rounds": args.rounds, "warmup": args.warmup,
                     "repeats": args.repeats, "prompt_len": args.prompt_len,

@@ -156,6 +156,9 @@ def test_the_queue_keeps_arrival_order_with_preempted_requests_in_front() -> Non
                                                              tenant="ab"[uid % 2]))
     sched.step()
     assert sorted(sched.running) == [0, 1]
+    running = sched.view().running
+    assert [r.uid for r in running] == [0, 1] and running[-1].uid == 1 and len(running) == 2
+    assert [r.uid for r in running[:1]] == [0] and running.worst_priority() == 0
     order = SkipAhead(threshold=0.0).decide(sched.view())  # builds an index too
     assert order.candidates == (2,)  # no row is free: the first is as far as it gets
     sched.view().waiting.ordered("by prompt", lambda r: -r.uid)

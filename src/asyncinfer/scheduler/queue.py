@@ -333,9 +333,18 @@ class LiveRunning(RunningView):
         return len(self._running)
 
     def __iter__(self) -> Iterator[RunningRequest]:
-        return (RunningRequest(r.uid, r.seq_len, r.remaining_tokens, r.params.priority,
-                               r.arrival_round, r.params.tenant)
-                for r in self._running.in_uid_order())
+        return (_running_record(r) for r in self._running.in_uid_order())
+
+    def __getitem__(self, index: Any) -> Any:
+        reqs = self._running.in_uid_order()
+        if isinstance(index, slice):
+            return tuple(_running_record(r) for r in reqs[index])
+        return _running_record(reqs[index])
 
     def worst_priority(self) -> int | None:
         return self._running.worst_priority()
+
+
+def _running_record(r: Req) -> RunningRequest:
+    return RunningRequest(r.uid, r.seq_len, r.remaining_tokens, r.params.priority,
+                          r.arrival_round, r.params.tenant)
