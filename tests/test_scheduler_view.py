@@ -171,6 +171,8 @@ def test_the_queue_keeps_arrival_order_with_preempted_requests_in_front() -> Non
     assert [r.uid for r in view.waiting.waited_at_least(1)] == [0, 1, 2, 3, 4]
     assert view.waiting.tenants() == {"a", "b"} and len(view.waiting) == 5
     assert [r.uid for r in view.waiting[1:3]] == [1, 2] and view.waiting[-1].uid == 4
+    assert [r.uid for r in reversed(view.waiting)] == [4, 3, 2, 1, 0]
+    assert view.waiting.index(view.waiting[3]) == 3 and view.waiting[3] in view.waiting
     assert [r.preemptions for r in view.waiting.window(3)] == [1, 1, 0]
     assert sched.abort(2) and sched.abort(1)
     view = sched.view()

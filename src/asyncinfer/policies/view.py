@@ -42,6 +42,12 @@ class WaitingView(Sequence[WaitingRequest]):
             raise IndexError("waiting index out of range")
         return next(islice(self, index, None))
 
+    def __reversed__(self) -> Iterator[WaitingRequest]:
+        return reversed(tuple(self))
+
+    def index(self, value: Any, start: int = 0, stop: int | None = None) -> int:
+        return tuple(self).index(value, start, len(self) if stop is None else stop)
+
     def window(self, k: int) -> tuple[WaitingRequest, ...]:
         """The first ``k`` requests in queue order: O(k)."""
         return tuple(islice(self, max(0, k)))
@@ -121,6 +127,9 @@ class RunningView(Sequence[RunningRequest]):
 
     def __getitem__(self, index: Any) -> Any:
         return tuple(self)[index]
+
+    def __reversed__(self) -> Iterator[RunningRequest]:
+        return reversed(tuple(self))
 
     def worst_priority(self) -> int | None:
         """The highest (worst) priority running, None if nothing runs."""
