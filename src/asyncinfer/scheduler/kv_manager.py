@@ -50,6 +50,7 @@ class KVManager:
         self.prefix: PrefixCache[Any] = PREFIX_CACHES[cache_type](page_size)
         self.stats = PrefixCacheStats()
         self.epoch = 0    # bumped whenever a request's pages change
+        self.on_admit: Callable[[Req], None] = lambda req: None  # told of each admission
 
     @property
     def available_pages(self) -> int:
@@ -98,6 +99,7 @@ class KVManager:
     def admit(self, req: Req) -> None:
         """Write a newly admitted request's shared pages into its row; a first admission
         also fixes ``prefix_len`` and counts one lookup."""
+        self.on_admit(req)
         if req.shared_pages:
             self._write(req, 0, req.pages[: req.shared_pages])
         if req.preemptions == 0:

@@ -54,6 +54,7 @@ class Scheduler:
         self.waiting = WaitingQueue(self._waiting_record, self.kv.match_length,
                                     lambda: self.kv.cache_version)  # preempted ones first
         self.running = RunningSet()             # uid -> request, decoding
+        self.kv.on_admit = self.waiting.note_admitted  # counts the half-prefilled
         self.table = RowTable(runner.max_rows)
         self.round = 0
         self.decode_streak = 0
@@ -232,7 +233,6 @@ class Scheduler:
             if req.row_state is RowState.CLAIMED:  # newly admitted: rows go in batch order
                 row = self.table.allocate()
                 req.take_row(row)
-                self.waiting.note_admitted(req)
                 self.runner.write_prompt(row, req.token_ids())
                 self.kv.admit(req)
                 if req.preemptions == 0:  # its first admission: the prompt is served once
