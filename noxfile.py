@@ -94,8 +94,9 @@ def tests(session: nox.Session) -> None:
 
 
 # The scheduler's core in under a minute on two cores: no model is loaded.
-CORE_TESTS = ["tests/test_scheduler.py", "tests/test_policies.py", "tests/test_kvcache.py",
-              "tests/test_radix_cache.py", "tests/test_rank_determinism.py"]
+CORE_TESTS = ["tests/test_scheduler.py", "tests/test_scheduler_view.py", "tests/test_policies.py",
+              "tests/test_kvcache.py", "tests/test_radix_cache.py",
+              "tests/test_rank_determinism.py"]
 
 
 @nox.session(python=False)

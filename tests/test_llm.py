@@ -63,6 +63,22 @@ def test_generate_is_token_exact_with_transformers(
     assert sched.kv.allocator.num_free + sched.kv.cached_pages == llm.runner.num_pages
 
 
+def test_lpm_with_chunked_prefill_and_radix_is_token_exact_with_transformers(
+    tiny_llama_dir: Path,
+) -> None:
+    """Every prompt twice, so the second copies find the first ones' pages and lpm
+    reorders the queue by what matches."""
+    prompts, max_tokens, expected = cases(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir, policy="lpm", policy_options={"max_wait_rounds": 4},
+                   cache_type="radix", chunked_prefill=True, max_extend_tokens=24)
+    outputs = llm.generate(prompts * 2, [greedy(n) for n in max_tokens * 2], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected * 2
+    assert llm.policy.name == "lpm" and llm.scheduler.kv.stats.hits > len(prompts) // 2
+    sched = llm.scheduler
+    assert not sched.has_work
+    assert sched.kv.allocator.num_free + sched.kv.cached_pages == llm.runner.num_pages
+
+
 def test_qwen3_through_the_scheduler_is_token_exact(tiny_qwen3_dir: Path) -> None:
     prompts, max_tokens, expected = cases(tiny_qwen3_dir)
     llm = tiny_llm(tiny_qwen3_dir, policy="skip_ahead", max_extend_tokens=32)

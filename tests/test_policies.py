@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib.metadata import EntryPoint
 from typing import Any, Literal
 
+import attrs
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ from asyncinfer.errors import ConfigError
 from asyncinfer.policies import (
     Decision,
     DecodeFirst,
+    LongestPrefixMatch,
     Policy,
     PrefillFirst,
     Priority,
@@ -32,15 +34,15 @@ from asyncinfer.policies.registry import (
 )
 
 BUILTINS = {"prefill_first": PrefillFirst, "decode_first": DecodeFirst, "skip_ahead": SkipAhead,
-            "priority": Priority, "stall_free": StallFree}
+            "priority": Priority, "stall_free": StallFree, "lpm": LongestPrefixMatch}
 
 
 def waiting(uid: int, prefill: int = 100, waited: int = 0, chunked: bool = False,
-            remaining_tokens: int = 16) -> WaitingRequest:
+            remaining_tokens: int = 16, match: int = 0) -> WaitingRequest:
     """A waiting request; ``prefill`` tokens left, arrived ``waited`` rounds before round 100."""
     return WaitingRequest(uid=uid, prompt_len=prefill, prefill_remaining=prefill,
                           remaining_tokens=remaining_tokens, arrival_round=100 - waited,
-                          waited_rounds=waited, chunked=chunked)
+                          waited_rounds=waited, chunked=chunked, prefix_match=match)
 
 
 def running(uid: int) -> RunningRequest:
@@ -189,6 +191,32 @@ def test_stall_free_rejects_a_budget_that_is_not_a_positive_integer(budget: Any)
         StallFree(token_budget=budget)
 
 
+# ---- lpm -----------------------------------------------------------------------------------
+
+def test_lpm_offers_the_longest_prefix_match_first_ties_in_queue_order_and_stops() -> None:
+    v = view((waiting(1, match=0), waiting(2, match=32), waiting(3, match=8),
+              waiting(4, match=32)), (running(9),))
+    assert LongestPrefixMatch().decide(v) == prefill(2, 4, 3, 1)
+
+
+def test_lpm_puts_requests_that_waited_max_wait_rounds_first_in_queue_order() -> None:
+    v = view((waiting(1, waited=9), waiting(2, match=64, waited=1), waiting(3, waited=8),
+              waiting(4, match=16)))
+    assert LongestPrefixMatch(max_wait_rounds=8).decide(v) == prefill(1, 3, 2, 4)
+    assert LongestPrefixMatch(max_wait_rounds=0).decide(v) == prefill(1, 2, 3, 4)  # FCFS
+
+
+def test_lpm_offers_no_more_than_the_free_rows_can_take() -> None:
+    v = attrs.evolve(view(tuple(waiting(u, match=u) for u in range(20))), free_slots=3)
+    assert LongestPrefixMatch().decide(v) == prefill(19, 18, 17, 16)
+
+
+@pytest.mark.parametrize("rounds", [-1, 1.5, True, "8"])
+def test_lpm_rejects_a_max_wait_that_is_not_a_whole_number_of_rounds(rounds: Any) -> None:
+    with pytest.raises(ConfigError, match="lpm: option max_wait_rounds"):
+        LongestPrefixMatch(max_wait_rounds=rounds)
+
+
 # ---- every policy: determinism -------------------------------------------------------------
 
 @st.composite
@@ -225,6 +253,7 @@ policy_specs: st.SearchStrategy[tuple[Any, dict[str, Any]]] = st.one_of(
     st.builds(lambda a, t: (SkipAhead, {"aging": a, "threshold": t}),
               st.floats(0.01, 10.0), st.floats(0.0, 500.0)),
     st.builds(lambda b: (StallFree, {"token_budget": b}), st.none() | st.integers(1, 4096)),
+    st.builds(lambda n: (LongestPrefixMatch, {"max_wait_rounds": n}), st.integers(0, 300)),
 )
 
 

@@ -131,6 +131,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.cache = RadixCache(page_size)
         self.model: dict[tuple[Chunk, ...], int] = {}
         self.in_flight: list[Request] = []
+        self.seen = (self.cache.version, dict(self.model))
 
     def chunks(self, tokens: list[int]) -> list[Chunk]:
         size = self.page_size
@@ -158,7 +159,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     @rule(tokens=st.lists(st.integers(0, 1), max_size=12))
     def admit(self, tokens: list[int]) -> None:
+        length = self.cache.match_length(tokens)  # read only: no split, no recency
         match = self.cache.match_prefix(tokens)
+        assert length == match.num_tokens
         chunks = self.chunks(tokens)
         limit = max(0, (len(tokens) - 1) // self.page_size)
         expected: list[int] = []
@@ -204,6 +207,12 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert self.cache.cached_pages == len(self.model)
 
     @invariant()
+    def the_version_changes_exactly_when_what_matches_does(self) -> None:
+        version, model = self.seen
+        assert (self.cache.version != version) == (self.model != model)
+        self.seen = (self.cache.version, dict(self.model))
+
+    @invariant()
     def pages_are_conserved_and_owned_once(self) -> None:
         fresh = [page for request in self.in_flight for page in request.fresh]
         # Taking every free page and giving it back shows the free list without reaching in.
@@ -226,7 +235,7 @@ RadixCacheMachine.TestCase.settings = settings(
 TestRadixCacheMachine = RadixCacheMachine.TestCase
 
 
-def scripted_evictions() -> list[list[int]]:
+def scripted_evictions(look: bool = False) -> list[list[int]]:
     cache = RadixCache(page_size=2)
     cache.insert([1, 2, 3, 4, 5, 6], [0, 1, 2])
     cache.insert([1, 2, 3, 4, 7, 8], [0, 1, 3])
@@ -234,6 +243,9 @@ def scripted_evictions() -> list[list[int]]:
     cache.insert([1, 2, 8, 8, 8], [0, 6, 7])
     held = cache.match_prefix([9, 9, 1, 2, 0]).handle
     cache.lock(held)
+    if look:  # read-only lookups of everything, in the other order: nothing changes
+        for tokens in ([1, 2, 3, 4, 7, 8, 0], [1, 2, 8, 8, 8], [1, 2, 3, 4, 5, 6, 0]):
+            cache.match_length(tokens)
     cache.match_prefix([1, 2, 3, 4, 7, 8, 0])
     evictions = [cache.evict(1) for _ in range(4)]
     cache.unlock(held)
@@ -243,7 +255,7 @@ def scripted_evictions() -> list[list[int]]:
 
 def test_same_calls_give_same_eviction_order() -> None:
     first = scripted_evictions()
-    assert first == scripted_evictions()
+    assert first == scripted_evictions() == scripted_evictions(look=True)
     assert sorted(page for pages in first for page in pages) == [0, 1, 2, 3, 4, 5, 6]
 
 
@@ -256,6 +268,7 @@ def test_naive_cache_matches_nothing_and_returns_every_page() -> None:
     cache.unlock(match.handle)
     assert cache.insert([1, 2, 3, 4, 5], [10, 11, 12]) == [10, 11, 12]
     assert cache.match_prefix([1, 2, 3, 4, 5]).pages == []
+    assert cache.match_length([1, 2, 3, 4, 5]) == cache.version == 0
     assert cache.cached_pages == cache.evictable_pages == 0
 
 

@@ -17,7 +17,8 @@ from tests.rank_replica import CACHE_TYPES
 
 ROOT = Path(__file__).resolve().parent.parent
 # vtc (a plugin, when installed) keeps state across views: the contract is per sequence.
-POLICIES = ["prefill_first", "decode_first", "skip_ahead", "priority", "stall_free"] + (
+POLICIES = ["prefill_first", "decode_first", "skip_ahead", "priority", "lpm",
+            "stall_free"] + (
     ["vtc"] if "vtc" in available_policies() else [])
 CASES = [f"{policy}/{cache}" for policy in POLICIES for cache in CACHE_TYPES]
 

@@ -7,6 +7,7 @@ drives the scheduler with the repository's model-free engine (``tests/fake_engin
 
 from __future__ import annotations
 
+import heapq
 import random
 from typing import Any
 
@@ -183,3 +184,56 @@ def test_backlogged_tenants_get_service_within_the_bound(
             else:
                 gaps = None
             before = totals[f] - totals[g]
+
+
+class _WholeQueueVTC(VTC):
+    """vtc's picks over a copy of the whole queue, as before the view was lazy."""
+
+    def _order(self, view: SchedulerView) -> list[int]:
+        queues: dict[str, list[WaitingRequest]] = {}
+        for req in view.waiting:
+            queues.setdefault(req.tenant, []).append(req)
+        limit = view.free_slots + sum(r.chunked for r in view.waiting) + 1
+        position = {r.uid: i for i, r in enumerate(view.waiting)}
+        heap = [(self._counters[t], position[q[0].uid], t) for t, q in queues.items()]
+        heapq.heapify(heap)
+        heads = dict.fromkeys(queues, 0)
+        order: list[int] = []
+        while heap and len(order) < limit:
+            value, _, tenant = heapq.heappop(heap)
+            queue, i = queues[tenant], heads[tenant]
+            req = queue[i]
+            order.append(req.uid)
+            if not req.chunked and req.preemptions == 0:
+                value += self.w_in * req.prompt_len
+            heads[tenant] = i + 1
+            if i + 1 < len(queue):
+                heapq.heappush(heap, (value, position[queue[i + 1].uid], tenant))
+        return order
+
+
+def _batches(policy: VTC, seed: int) -> list[tuple[Any, ...]]:
+    rng = random.Random(seed)
+    engine = FakeEngine(num_pages=PAGES, page_size=PAGE_SIZE, max_rows=4, context_len=64)
+    sched = Scheduler(engine, policy, EngineConfig(max_extend_tokens=16, chunked_prefill=True))
+    out: list[tuple[Any, ...]] = []
+    uid = 0
+    for step in range(300):
+        if step % 30 == 0:
+            for _ in range(rng.randrange(10, 40)):
+                sched.add_request(uid, [rng.randrange(1, 50) for _ in range(
+                    rng.randrange(1, L_IN))], SamplingParams(
+                        max_tokens=rng.randrange(1, 10), ignore_eos=True,
+                        tenant=str(rng.randrange(4))))
+                uid += 1
+        events = sched.step()
+        if sched.last_scheduled is not None:
+            b = sched.last_scheduled.batch
+            out.append((b.rows, b.starts, b.ends, [(e.uid, e.token) for e in events]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_reading_one_head_per_tenant_gives_the_batches_of_reading_the_whole_queue(
+        seed: int) -> None:
+    assert _batches(VTC(), seed) == _batches(_WholeQueueVTC(), seed)

@@ -35,9 +35,18 @@ class PrefixCache(Protocol[H]):
         """Owned pages that :meth:`evict` can hand back now: those in no locked prefix."""
         ...
 
+    @property
+    def version(self) -> int:
+        """A counter that changes whenever what a match can find changes."""
+        ...
+
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch[H]:
         """Longest cached whole-page prefix of ``tokens``, leaving at least the last token out
         (its logits are needed); ``tokens`` is never kept or changed."""
+        ...
+
+    def match_length(self, tokens: Sequence[int]) -> int:
+        """``match_prefix``'s token count, changing nothing (no pin, no recency, no split)."""
         ...
 
     def lock(self, handle: H) -> None:
@@ -62,6 +71,7 @@ class NaiveCache:
     shares: ClassVar[bool] = False
     cached_pages: ClassVar[int] = 0
     evictable_pages: ClassVar[int] = 0
+    version: ClassVar[int] = 0
 
     def __init__(self, page_size: int) -> None:
         assert page_size > 0, f"page_size must be positive, got {page_size}"
@@ -69,6 +79,9 @@ class NaiveCache:
 
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch[None]:
         return _NO_MATCH
+
+    def match_length(self, tokens: Sequence[int]) -> int:
+        return 0
 
     def lock(self, handle: None) -> None:
         pass

@@ -39,6 +39,7 @@ class RadixCache:
         self._next_id = 0
         self._cached = 0
         self._evictable = 0
+        self._version = 0
         self.root = self._new_node([], [], None)
 
     @property
@@ -49,6 +50,26 @@ class RadixCache:
     def evictable_pages(self) -> int:
         """Pages in unreferenced nodes, which evicting leaves over and over would free."""
         return self._evictable
+
+    @property
+    def version(self) -> int:
+        """Bumped by every insert that adds pages and every eviction."""
+        return self._version
+
+    def match_length(self, tokens: Sequence[int]) -> int:
+        """Tokens ``match_prefix`` would find, read only: O(pages matched), no chunk list."""
+        size, limit = self.page_size, max(0, (len(tokens) - 1) // self.page_size)
+        node, i = self.root, 0
+        while i < limit:
+            child = node.children.get(tuple(tokens[i * size : (i + 1) * size]))
+            if child is None:
+                break
+            for j, chunk in enumerate(child.chunks):  # chunk 0 is the key just matched
+                if j and (i >= limit or chunk != tuple(tokens[i * size : (i + 1) * size])):
+                    return i * size
+                i += 1
+            node = child
+        return min(i, limit) * size
 
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch[Node]:
         """Longest cached whole-page prefix, the last token left out; handle: its last node."""
@@ -70,6 +91,7 @@ class RadixCache:
             node.children[leaf.chunks[0]] = leaf
             self._cached += len(leaf.pages)
             self._evictable += len(leaf.pages)
+            self._version += 1
         return to_free + list(pages[num_chunks:])
 
     def lock(self, node: Node) -> None:
@@ -106,6 +128,8 @@ class RadixCache:
             self._evictable -= len(leaf.pages)
             if parent is not self.root and not parent.children and parent.ref_count == 0:
                 heapq.heappush(heap, (parent.last_access, parent.creation_id, parent))
+        if freed:
+            self._version += 1
         return freed
 
     def _new_node(self, chunks: list[Chunk], pages: list[int], parent: Node | None) -> Node:

@@ -2,6 +2,9 @@
 
 Contract: deterministic in the sequence of views (``served`` covers only the time since the
 previous view, so a fair-share policy keeps state); no clocks, randomness, ids or hash order.
+A view costs O(1) to make; a policy pays for the records it reads, so one that stays O(1)
+reads a window of the queue front or an ``ordered`` index. See docs/architecture.md,
+'Scheduler view cost'.
 """
 
 from __future__ import annotations
@@ -10,37 +13,16 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from attrs import field, frozen
 
+from asyncinfer.policies.records import RunningRequest, WaitingRequest
+from asyncinfer.policies.view import RunningView, WaitingView, as_running, as_waiting
+
 
 def _optional_tuple(value: Any) -> tuple[int, ...] | None:
     return None if value is None else tuple(value)
 
 
-@frozen
-class WaitingRequest:
-    """A request waiting for (the rest of) its prefill."""
-
-    uid: int
-    prompt_len: int             # tokens to prefill: the prompt (and a preempted one's outputs)
-    prefill_remaining: int      # of those, still to compute (before prefix matching)
-    remaining_tokens: int       # output tokens it may still produce
-    arrival_round: int          # the scheduler round in which it arrived
-    waited_rounds: int          # rounds since arrival
-    chunked: bool               # part of its prompt is computed already (chunked prefill)
-    priority: int = 0           # the request's priority (lower first; SamplingParams)
-    preemptions: int = 0        # times it was sent back from the running set
-    tenant: str = ""            # whom it is for (SamplingParams.tenant)
-
-
-@frozen
-class RunningRequest:
-    """A request that has finished its prefill and is decoding."""
-
-    uid: int
-    seq_len: int                # tokens so far, prompt and output
-    remaining_tokens: int       # output tokens it may still produce
-    priority: int = 0           # the request's priority (lower first; SamplingParams)
-    arrival_round: int = 0      # the scheduler round in which it arrived
-    tenant: str = ""            # whom it is for (SamplingParams.tenant)
+__all__ = ["Decision", "Policy", "RunningRequest", "RunningView", "SchedulerView",
+           "TenantService", "WaitingRequest", "WaitingView"]
 
 
 @frozen
@@ -55,10 +37,11 @@ class TenantService:
 
 @frozen
 class SchedulerView:
-    """What a policy may read: a snapshot, never the scheduler itself."""
+    """What a policy may read, never the scheduler itself; the queues are read lazily, so a
+    view is valid only while the ``decide`` it was passed to runs."""
 
-    waiting: tuple[WaitingRequest, ...]   # arrival order
-    running: tuple[RunningRequest, ...]   # uid order
+    waiting: WaitingView = field(converter=as_waiting)   # queue order; a tuple is wrapped
+    running: RunningView = field(converter=as_running)   # uid order
     free_pages: int                        # pages a new request may still claim
     free_slots: int                        # request slots (table rows) free
     token_budget: int                      # prefill tokens one round may compute

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 from attrs import Attribute, field, frozen
 
 from asyncinfer.errors import ConfigError
 from asyncinfer.policies.base import Decision, RunningRequest, SchedulerView, WaitingRequest
+from asyncinfer.policies.view import candidates, fresh
 
 _Validator = Callable[[Any, "Attribute[Any]", Any], None]
 
@@ -42,15 +43,9 @@ def _as_float(value: Any) -> Any:
     return float(value) if _is_number(value) else value
 
 
-def _by(view: SchedulerView, key: Callable[[WaitingRequest], float]
-        ) -> list[WaitingRequest]:
-    """The waiting requests by ``key``, lowest first; ties in arrival order."""
-    return [req for _, req in sorted(enumerate(view.waiting),
-                                     key=lambda item: (key(item[1]), item[0]))]
-
-
 def _fcfs(view: SchedulerView) -> Decision:
-    return Decision.prefill((req.uid for req in view.waiting), "stop")
+    """The queue front, as many as the free rows can take (the batch of offering all)."""
+    return Decision.prefill((r.uid for r in fresh(view.waiting, view.free_slots + 1)), "stop")
 
 
 @frozen
@@ -118,16 +113,47 @@ class SkipAhead:
         """Older and smaller is higher."""
         return self.aging * req.waited_rounds - req.prefill_remaining
 
+    def rank(self, req: WaitingRequest) -> float:
+        """Lower is higher priority; fixed while it waits (``priority`` less a constant)."""
+        return self.aging * req.arrival_round + req.prefill_remaining
+
     def decide(self, view: SchedulerView) -> Decision:
         """Prefill by priority (skipping misfits), or old requests first (stopping)."""
         if not view.waiting:
             return Decision.decode()
-        by_priority = _by(view, lambda req: -self.priority(req))
-        old = [req for req in view.waiting if req.waited_rounds >= self.old_after]
-        if not old:
-            return Decision.prefill((req.uid for req in by_priority), "skip")
-        young = [req for req in by_priority if req.waited_rounds < self.old_after]
-        return Decision.prefill((req.uid for req in old + young), "stop")
+        order = view.waiting.ordered((self.name, self.aging), self.rank)
+        uids, on_misfit = candidates(view.waiting, view.free_slots, order, self.old_after,
+                                     "skip")
+        return Decision.prefill(uids, on_misfit)
+
+
+@frozen
+class LongestPrefixMatch:
+    """Admit the longest prefix-cache match first; one that waited long goes first.
+
+    Bound: admitted within ``max_wait_rounds + (A + 1) * (D + C + 1)`` rounds of arrival,
+    as skip_ahead's. See docs/architecture.md, 'Policies'."""
+
+    name = "lpm"
+    options: ClassVar[dict[str, str]] = {
+        "max_wait_rounds": "rounds a request may wait before it goes first, in arrival "
+                           "order, and nothing passes it (>= 0; 0 is FCFS)",
+    }
+
+    max_wait_rounds: int = field(default=64, validator=_int_at_least(0))
+
+    @property
+    def old_after(self) -> int:
+        return self.max_wait_rounds
+
+    def decide(self, view: SchedulerView) -> Decision:
+        """The old in arrival order, then the longest match first; stop at a misfit."""
+        if not view.waiting:
+            return Decision.decode()
+        order = view.waiting.longest_match_first()
+        uids, on_misfit = candidates(view.waiting, view.free_slots, order, self.old_after,
+                                     "stop")
+        return Decision.prefill(uids, on_misfit)
 
 
 def _optional_int_at_least(minimum: int) -> _Validator:
@@ -162,7 +188,8 @@ class StallFree:
         if not view.waiting:
             return Decision.decode()
         budget = self.token_budget if view.running else None  # no stream to stall
-        return Decision.mixed((req.uid for req in view.waiting), "stop", token_budget=budget)
+        front = fresh(view.waiting, view.free_slots + 1)  # the batch of offering all
+        return Decision.mixed((r.uid for r in front), "stop", token_budget=budget)
 
 
 @frozen
@@ -192,22 +219,31 @@ class Priority:
         """Lower runs first: the request's priority, less what waiting has earned it."""
         return req.priority - self.aging * req.waited_rounds
 
+    def rank(self, req: WaitingRequest) -> float:
+        """``effective`` plus a constant of the round: fixed while it waits."""
+        return req.priority + self.aging * req.arrival_round
+
     def decide(self, view: SchedulerView) -> Decision:
         """Prefill by effective priority (stopping at a misfit), preempting for it."""
         if not view.waiting:
             return Decision.decode()
-        order = _by(view, self.effective)
-        victims = _preemptions(order, view, self.effective, self.aging) if self.preempt else ()
+        key = (self.name, self.aging)
+        victims = (_preemptions(view.waiting.ordered(key, self.rank), view, self.effective,
+                                self.aging) if self.preempt else ())
+        order = fresh(view.waiting.ordered(key, self.rank), view.free_slots + len(victims) + 1)
         return Decision.prefill((req.uid for req in order), "stop", victims)
 
 
-def _preemptions(order: list[WaitingRequest], view: SchedulerView,
+def _preemptions(order: Iterable[WaitingRequest], view: SchedulerView,
                  effective: Callable[[WaitingRequest], float], aging: float) -> tuple[int, ...]:
-    """Running requests to preempt, worst first, so the first candidates get a slot."""
+    """Running requests to preempt, worst first, so the first candidates get a slot. Walks
+    the order only as far as admission would get; sorts the running set only when a
+    candidate lacks a row and something worse runs."""
     def aged(r: RunningRequest) -> float:
         return r.priority - aging * (view.round - r.arrival_round)
 
-    pool = sorted(view.running, key=lambda r: (-aged(r), -r.arrival_round, -r.uid))
+    pool: list[RunningRequest] | None = None
+    worst = view.running.worst_priority()
     slots, pages, budget = view.free_slots, view.free_pages, view.token_budget
     chosen: list[int] = []
     for req in order:
@@ -220,7 +256,9 @@ def _preemptions(order: list[WaitingRequest], view: SchedulerView,
         need = -(-(chunk + 1) // view.page_size)
         mine = effective(req)
         # Only a missing slot preempts: preempting for reserved pages could cycle.
-        while slots < 1:
+        while slots < 1 and worst is not None and worst > req.priority:
+            if pool is None:
+                pool = sorted(view.running, key=lambda r: (-aged(r), -r.arrival_round, -r.uid))
             victim = next((r for r in pool if r.priority > req.priority and aged(r) > mine),
                           None)
             if victim is None:

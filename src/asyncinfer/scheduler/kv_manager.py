@@ -49,6 +49,8 @@ class KVManager:
         self.allocator = PageAllocator(num_pages)
         self.prefix: PrefixCache[Any] = PREFIX_CACHES[cache_type](page_size)
         self.stats = PrefixCacheStats()
+        self.epoch = 0    # bumped whenever a request's pages change
+        self.on_admit: Callable[[Req], None] = lambda req: None  # told of each admission
 
     @property
     def available_pages(self) -> int:
@@ -66,9 +68,19 @@ class KVManager:
         """Pages ``req`` must still allocate to reach its longest possible length."""
         return self.pages_for(req.max_len) - len(req.pages)
 
+    @property
+    def cache_version(self) -> int:
+        """Changes whenever what a lookup can find changes."""
+        return self.prefix.version
+
+    def match_length(self, req: Req) -> int:
+        """Tokens of ``req``'s sequence the prefix cache holds now; pins and touches nothing."""
+        return self.prefix.match_length(req.token_ids() if req.output_ids else req.prompt_ids)
+
     def match(self, req: Req) -> None:
         """Attach the longest cached prefix of ``req``'s sequence to it and pin it."""
         found = self.prefix.match_prefix(req.token_ids() if req.output_ids else req.prompt_ids)
+        self.epoch += 1
         if found.pages:  # an empty prefix has no pages to pin
             self.prefix.lock(found.handle)
             req.prefix_handle = found.handle
@@ -82,10 +94,12 @@ class KVManager:
             self.prefix.unlock(req.prefix_handle)
         req.prefix_handle, req.pages, req.shared_pages = None, [], 0
         req.cached_len = 0
+        self.epoch += 1
 
     def admit(self, req: Req) -> None:
         """Write a newly admitted request's shared pages into its row; a first admission
         also fixes ``prefix_len`` and counts one lookup."""
+        self.on_admit(req)
         if req.shared_pages:
             self._write(req, 0, req.pages[: req.shared_pages])
         if req.preemptions == 0:
@@ -98,6 +112,7 @@ class KVManager:
         need = self.pages_for(end) - len(req.pages)
         if need <= 0:
             return
+        self.epoch += 1
         short = need - self.allocator.num_free
         if short > 0:  # admission counted these as evictable
             self.allocator.free(self.prefix.evict(short))
@@ -108,6 +123,7 @@ class KVManager:
     def release(self, req: Req, keep: bool) -> None:
         """Return a request's pages and unpin its prefix; ``keep`` (a normal finish) offers
         its computed full pages to the prefix cache, else (KV maybe corrupt) they are freed."""
+        self.epoch += 1
         if keep:
             computed = req.token_ids()[: req.cached_len]
             self.allocator.free(self.prefix.insert(computed, req.pages))

@@ -42,6 +42,8 @@ class Req:
     finished: bool = False
     preemptions: int = 0                # times sent back to the waiting queue
     suspect: bool = False
+    match_len: int = 0                  # prefix-cache match when last looked up (a hint)
+    match_version: int = -1             # the prefix cache's version at that lookup
 
     @property
     def prompt_len(self) -> int:

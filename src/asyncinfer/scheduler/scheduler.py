@@ -16,7 +16,6 @@ from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import (
     Decision,
     Policy,
-    RunningRequest,
     SchedulerView,
     TenantService,
     WaitingRequest,
@@ -24,6 +23,7 @@ from asyncinfer.policies.base import (
 from asyncinfer.scheduler.batch_runner import BatchRunner
 from asyncinfer.scheduler.kv_manager import KVManager
 from asyncinfer.scheduler.prefill import PrefillAdder
+from asyncinfer.scheduler.queue import LiveRunning, LiveWaiting, RunningSet, WaitingQueue
 from asyncinfer.scheduler.request import Req, RowState
 from asyncinfer.scheduler.table import RowTable
 
@@ -51,8 +51,10 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.kv = KVManager(runner.num_pages, runner.page_size, runner.page_table,
                             config.cache_type)
-        self.waiting: list[Req] = []            # arrival order, preempted requests first
-        self.running: dict[int, Req] = {}       # uid -> request, decoding
+        self.waiting = WaitingQueue(self._waiting_record, self.kv.match_length,
+                                    lambda: self.kv.cache_version)  # preempted ones first
+        self.running = RunningSet()             # uid -> request, decoding
+        self.kv.on_admit = self.waiting.note_admitted  # counts the half-prefilled
         self.table = RowTable(runner.max_rows)
         self.round = 0
         self.decode_streak = 0
@@ -65,6 +67,7 @@ class Scheduler:
         self._deferred: list[tuple[int, Req, bool]] = []  # (batch seq, req, keep): to release
         self._suspects: set[int] = set()        # uids of suspects (see recover)
         self._served: dict[str, list[int]] = {}  # tenant -> [input, output] since the view
+        self._reserved: tuple[tuple[int, int, int], int] = ((-1, -1, -1), 0)  # (epochs, pages)
 
     def add_request(self, uid: int, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Queue a request; one that can never run finishes at once with an error event."""
@@ -112,8 +115,8 @@ class Scheduler:
         prefix cache. See docs/architecture.md, 'Preemption'."""
         req = self.running.get(uid)
         if req is None:
-            req = next((r for r in self.waiting if r.uid == uid and r.admitted), None)
-            if req is None:
+            req = self.waiting.get(uid)
+            if req is None or not req.admitted:
                 return False
             self.waiting.remove(req)
         else:
@@ -123,7 +126,7 @@ class Scheduler:
         req.pages, req.shared_pages, req.prefix_handle = [], 0, None
         req.cached_len = req.device_len = 0
         req.preemptions += 1
-        self.waiting.insert(0, req)
+        self.waiting.push_front(req)
         return True
 
     def recover(self, failed: ScheduledBatch, later: ScheduledBatch | None, error: str) -> None:
@@ -159,17 +162,12 @@ class Scheduler:
         return self._launched - self._processed
 
     def view(self) -> SchedulerView:
-        """The read-only snapshot a policy decides from."""
+        """What a policy decides from, in O(1): the queues are read lazily (see
+        docs/architecture.md, 'Scheduler view cost')."""
         reserved = self._reserved_pages()
         return SchedulerView(
-            waiting=tuple(
-                WaitingRequest(r.uid, r.seq_len, r.seq_len - r.cached_len, r.remaining_tokens,
-                               r.arrival_round, self.round - r.arrival_round, r.admitted,
-                               r.params.priority, r.preemptions, r.params.tenant)
-                for r in self.waiting),
-            running=tuple(RunningRequest(r.uid, r.seq_len, r.remaining_tokens,
-                                         r.params.priority, r.arrival_round, r.params.tenant)
-                          for r in self._running_in_uid_order()),
+            waiting=LiveWaiting(self.waiting, self._waiting_record, self.round),
+            running=LiveRunning(self.running, self.round),
             free_pages=max(0, self.kv.available_pages - reserved),
             free_slots=self.table.num_free,
             token_budget=self.config.max_extend_tokens,
@@ -178,6 +176,11 @@ class Scheduler:
             decode_streak=self.decode_streak,
             served=tuple(TenantService(t, *self._served[t]) for t in sorted(self._served)),
         )
+
+    def _waiting_record(self, r: Req) -> WaitingRequest:
+        return WaitingRequest(r.uid, r.seq_len, r.seq_len - r.cached_len, r.remaining_tokens,
+                              r.arrival_round, self.round - r.arrival_round, r.admitted,
+                              r.params.priority, r.preemptions, r.params.tenant, r.match_len)
 
     def schedule(self) -> ScheduledBatch | None:
         """The policy's batch, else a decode (a waiting suspect runs alone), else None."""
@@ -231,8 +234,8 @@ class Scheduler:
 
     def _admit(self, decision: Decision, adder: PrefillAdder) -> PrefillAdder:
         """Offer the half-prefilled requests, then the decision's candidates, in order."""
-        by_uid = {r.uid: r for r in self.waiting}
-        order = [r.uid for r in self.waiting if r.admitted]
+        by_uid = self.waiting  # uid -> request
+        order = [r.uid for r in self.waiting.admitted()]
         order += [u for u in decision.candidates if u in by_uid and not by_uid[u].admitted]
         for uid in order:
             if not adder.try_add(by_uid[uid]) and decision.on_misfit == "stop":
@@ -347,11 +350,13 @@ class Scheduler:
                 self._release(req, keep=True)
 
     def _running_in_uid_order(self) -> list[Req]:
-        return [self.running[uid] for uid in sorted(self.running)]
+        return self.running.in_uid_order()
 
     def _waiting_suspect(self) -> Req | None:
         """The suspect to run next (a half-prefilled one first); None if all are running."""
-        suspects = [r for r in self.waiting if r.suspect]
+        waiting = self.waiting
+        suspects = sorted((r for u in self._suspects if (r := waiting.get(u)) is not None),
+                          key=lambda r: waiting.place(r.uid))
         return next((r for r in suspects if r.admitted), suspects[0] if suspects else None)
 
     def _stuck(self, decision: Decision | None, suspect: Req | None) -> str:
@@ -368,10 +373,8 @@ class Scheduler:
                 if not r.finished and r.row == row]
 
     def _remove(self, uid: int) -> Req | None:
-        index = next((i for i, r in enumerate(self.waiting) if r.uid == uid), None)
-        if index is not None:
-            return self.waiting.pop(index)
-        return self.running.pop(uid, None)
+        req = self.waiting.pop(uid)
+        return req if req is not None else self.running.pop(uid, None)
 
     def _end(self, req: Req) -> None:
         req.finished = True
@@ -381,10 +384,16 @@ class Scheduler:
             self._release(req, keep=False)
 
     def _reserved_pages(self) -> int:
-        size = self.runner.page_size
-        active = list(self.running.values()) + [r for r in self.waiting if r.admitted]
-        return sum((len(r.prompt_ids) + r.max_tokens + size - 1) // size - len(r.pages)
-                   for r in active)
+        """Pages admitted requests may still claim: O(rows), once per change of their pages
+        or of who is admitted (the view and the prefill of one round share it)."""
+        epochs = (self.kv.epoch, self.running.epoch, self.waiting.epoch)
+        if epochs != self._reserved[0]:
+            size = self.runner.page_size
+            active = self.running.in_uid_order() + self.waiting.admitted()
+            self._reserved = epochs, sum(
+                (len(r.prompt_ids) + r.max_tokens + size - 1) // size - len(r.pages)
+                for r in active)
+        return self._reserved[1]
 
     def _release(self, req: Req, keep: bool) -> None:
         if self.in_flight:  # a launched batch may still read or write its row and pages
@@ -434,8 +443,14 @@ class Scheduler:
         rows = sorted(_rows(active) + self.table.free_rows)
         assert rows == list(range(self.runner.max_rows)), rows
         assert self._reserved_pages() <= self.kv.available_pages
+        size = self.runner.page_size
+        assert self._reserved_pages() == sum(
+            (r.max_len + size - 1) // size - len(r.pages)
+            for r in [*self.running.values(), *self.waiting] if r.admitted)
         suspects = {r.uid for r in [*self.waiting, *self.running.values()] if r.suspect}
         assert suspects == self._suspects, (suspects, self._suspects)
+        self.waiting.check()
+        assert list(self.running) == sorted(self.running), list(self.running)
 
 
 def _rows(reqs: list[Req]) -> list[int]:

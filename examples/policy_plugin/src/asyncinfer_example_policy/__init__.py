@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from attrs import Attribute, field, frozen
 
 from asyncinfer.errors import ConfigError
-from asyncinfer.policies import Decision, SchedulerView, WaitingRequest
+from asyncinfer.policies import Decision, SchedulerView, WaitingRequest, fresh
 
 __all__ = ["ShortestOutputFirst"]
 
@@ -41,5 +41,9 @@ class ShortestOutputFirst:
         """Prefill by rank when anything waits (stopping at a misfit), else decode."""
         if not view.waiting:
             return Decision.decode()
-        order = sorted(enumerate(view.waiting), key=lambda item: (self.rank(item[1]), item[0]))
-        return Decision.prefill((request.uid for _, request in order), "stop")
+        # An order the scheduler keeps up to date, by a key fixed while a request waits (the
+        # rank plus aging * round), ties in queue order; stopping at a misfit, the free rows
+        # take at most free_slots + 1: so a round costs the same at any queue depth.
+        order = view.waiting.ordered(
+            (self.name, self.aging), lambda r: r.remaining_tokens + self.aging * r.arrival_round)
+        return Decision.prefill((r.uid for r in fresh(order, view.free_slots + 1)), "stop")

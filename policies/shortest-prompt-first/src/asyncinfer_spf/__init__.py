@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 from attrs import Attribute, field, frozen
 
 from asyncinfer.errors import ConfigError
-from asyncinfer.policies import Decision, SchedulerView
+from asyncinfer.policies import Decision, SchedulerView, candidates
 
 __all__ = ["ShortestPromptFirst"]
 
@@ -36,11 +36,9 @@ class ShortestPromptFirst:
         """Shortest first, skipping misfits; starved requests first, stopping."""
         if not view.waiting:
             return Decision.decode()
-        # Position in view.waiting is arrival order: the tie-break every rank agrees on.
-        shortest = [req for _, req in sorted(
-            enumerate(view.waiting), key=lambda item: (item[1].prefill_remaining, item[0]))]
-        starved = [req for req in view.waiting if req.waited_rounds >= self.max_wait_rounds]
-        if not starved:
-            return Decision.prefill((req.uid for req in shortest), "skip")
-        rest = [req for req in shortest if req.waited_rounds < self.max_wait_rounds]
-        return Decision.prefill((req.uid for req in starved + rest), "stop")
+        # An index kept by the scheduler, ties in queue order (the one every rank agrees on);
+        # a bounded window of it is offered, so a round costs the same at any queue depth.
+        shortest = view.waiting.ordered(self.name, lambda req: req.prefill_remaining)
+        uids, on_misfit = candidates(view.waiting, view.free_slots, shortest,
+                                     self.max_wait_rounds, "skip")
+        return Decision.prefill(uids, on_misfit)

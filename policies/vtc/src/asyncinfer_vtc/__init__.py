@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from attrs import Attribute, define, field
@@ -63,7 +64,7 @@ class VTC:
         for s in view.served:
             cost = self.w_in * s.input_tokens + self.w_out * s.output_tokens
             counters[s.tenant] = counters.pop(s.tenant, 0.0) + cost
-        waiting = frozenset(r.tenant for r in view.waiting)
+        waiting = view.waiting.tenants()
         arrived = waiting - self._waiting
         if arrived:
             stayed = waiting & self._waiting
@@ -80,26 +81,27 @@ class VTC:
         return Decision.prefill(self._order(view), "stop")
 
     def _order(self, view: SchedulerView) -> list[int]:
-        """Repeated picks of the lowest counter, each charged its prompt, while rows last."""
-        queues: dict[str, list[WaitingRequest]] = {}
-        for req in view.waiting:
-            queues.setdefault(req.tenant, []).append(req)
-        limit = view.free_slots + sum(r.chunked for r in view.waiting) + 1
-        position = {r.uid: i for i, r in enumerate(view.waiting)}
-        heap = [(self._counters[t], position[q[0].uid], t) for t, q in queues.items()]
+        """Repeated picks of the lowest counter, each charged its prompt, while rows last:
+        reads one tenant's queue head per pick, so O(tenants + rows), whatever the queue.
+        Half-prefilled requests are passed over: they resume first, already charged."""
+        waiting = view.waiting
+        queues: dict[str, Iterator[WaitingRequest]] = {
+            t: (r for r in waiting.of_tenant(t) if not r.chunked) for t in sorted(self._waiting)}
+        heads = {t: next(q, None) for t, q in queues.items()}
+        heap = [(self._counters[t], waiting.place(req.uid), t)
+                for t, req in heads.items() if req is not None]
         heapq.heapify(heap)
-        heads = dict.fromkeys(queues, 0)
         order: list[int] = []
-        while heap and len(order) < limit:
+        while heap and len(order) < view.free_slots + 1:
             value, _, tenant = heapq.heappop(heap)
-            queue, i = queues[tenant], heads[tenant]
-            req = queue[i]
+            req = heads[tenant]
+            assert req is not None
             order.append(req.uid)
-            if not req.chunked and req.preemptions == 0:  # charged when first admitted
+            if req.preemptions == 0:  # charged when first admitted
                 value += self.w_in * req.prompt_len
-            heads[tenant] = i + 1
-            if i + 1 < len(queue):
-                heapq.heappush(heap, (value, position[queue[i + 1].uid], tenant))
+            following = heads[tenant] = next(queues[tenant], None)
+            if following is not None:
+                heapq.heappush(heap, (value, waiting.place(following.uid), tenant))
         return order
 
     def _forget(self, view: SchedulerView) -> None:
