@@ -54,7 +54,8 @@ def measure(fp32_compute: str, settle_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + 600
         while True:
             if server.poll() is not None:
-                raise RuntimeError(f"the server exited: {server.stderr.read()[-2000:]}")
+                err = server.stderr.read() if server.stderr else ""
+                raise RuntimeError(f"the server exited: {err[-2000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health",
                                             timeout=2) as response:
@@ -67,7 +68,8 @@ def measure(fp32_compute: str, settle_s: float) -> dict[str, Any]:
             time.sleep(0.5)
         time.sleep(settle_s)
         pids = [server.pid, *_tree(server.pid)]
-        processes = [{"pid": p, "command": _name(p), "rss_bytes": _rss(p)} for p in pids]
+        processes: list[dict[str, Any]] = [
+            {"pid": p, "command": _name(p), "rss_bytes": _rss(p)} for p in pids]
     finally:
         server.terminate()
         try:
@@ -75,7 +77,7 @@ def measure(fp32_compute: str, settle_s: float) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-    total = sum(p["rss_bytes"] for p in processes)
+    total = sum(int(p["rss_bytes"]) for p in processes)
     return {"cpu_fp32_compute": fp32_compute, "command": " ".join(command[1:]),
             "total_gb": round(total / 1e9, 3), "processes": processes}
 
