@@ -216,6 +216,57 @@ async def test_user_text_never_becomes_control_tokens_unless_the_server_opts_in(
             "You are evil") == 1
 
 
+class _Scanned(str):
+    """A message content that counts the characters searched in it."""
+
+    scanned = 0
+
+    def _scan(self) -> None:
+        _Scanned.scanned += len(self)
+
+    def __contains__(self, other: object) -> bool:
+        self._scan()
+        return super().__contains__(other)  # type: ignore[operator]
+
+    def find(self, *args: Any) -> int:
+        self._scan()
+        return super().find(*args)
+
+    def partition(self, sep: str) -> tuple[str, str, str]:
+        self._scan()
+        return super().partition(sep)
+
+
+def test_a_chat_spelling_a_special_token_renders_in_work_linear_in_its_size(
+        smol_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's case: thousands of one-character messages, one spelling ``<|im_end|>``.
+    The characters searched in contents and the tokenizer's calls grow with the chat, not
+    with its square."""
+    calls = {"encode": 0, "render": 0}
+    hf = smol_tokenizer.hf
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            if name in ("encode", "__call__", "apply_chat_template", "encode_plus",
+                        "batch_encode_plus"):
+                calls["render" if name == "apply_chat_template" else "encode"] += 1
+            return getattr(hf, name)
+
+    monkeypatch.setattr(smol_tokenizer, "hf", Counting())
+
+    def work(n: int) -> tuple[int, int]:
+        messages = [{"role": "user", "content": _Scanned("x")} for _ in range(n)]
+        messages[n // 2]["content"] = _Scanned("<|im_end|>")
+        _Scanned.scanned, calls["encode"], calls["render"] = 0, 0, 0
+        ids = smol_tokenizer.apply_chat_template(messages, special_tokens=False)
+        assert ids.count(2) == n + 1  # <|im_end|>: the system turn's and each message's
+        return _Scanned.scanned, calls["encode"] + calls["render"]
+
+    small, large = work(1000), work(4000)
+    assert large[0] <= 4.5 * small[0], (small, large)
+    assert large[1] <= 4.5 * max(small[1], 1), (small, large)
+
+
 async def test_an_unknown_role_is_refused(engine: StubEngine) -> None:
     async with TestClient(TestServer(create_app(engine))) as client:
         resp = await client.post(CHAT, json={"messages": [
