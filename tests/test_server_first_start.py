@@ -5,6 +5,7 @@ ready; then the same curl is answered. And a long start-up step says it is still
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from asyncinfer.models.progress import on_step, step
 from tests.test_first_run import _free_port, _pip_from, package_index
@@ -101,3 +104,27 @@ def test_a_long_step_says_it_is_still_at_it() -> None:
         stop()
     assert said[0] == "converting a model: writing the weights"
     assert said[1].startswith("converting a model: writing the weights: still at it ("), said
+
+
+def test_a_progress_dropped_unclosed_stops_saying_it_is_still_at_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A step that failed mid-way (its Progress never closed) falls silent once dropped."""
+    import gc
+
+    from asyncinfer.models.progress import Progress
+
+    caplog.set_level(logging.INFO, logger="asyncinfer.models.progress")
+    said: list[str] = []
+    stop = on_step(said.append)
+    try:
+        progress = Progress("loading", 10, unit="tensors", every=0.01, bar=False)
+        beating = [t for t in threading.enumerate() if t.name == "asyncinfer-progress"]
+        assert beating
+        del progress
+        gc.collect()
+        for thread in beating:
+            thread.join(30)
+        assert not any(t.is_alive() for t in beating)
+    finally:
+        stop()
+    assert said[0] == "loading (10 tensors)"

@@ -7,6 +7,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any, TypeVar
 
@@ -94,20 +95,26 @@ class Progress:
         else:
             _tell(what)
         if self._shown:  # a line (a refreshed bar) at least every ``every`` s
-            threading.Thread(target=self._beat, name="asyncinfer-progress",
-                             daemon=True).start()
+            threading.Thread(target=Progress._beat, args=(weakref.ref(self), self._closed,
+                                                          every),
+                             name="asyncinfer-progress", daemon=True).start()
 
-    def _beat(self) -> None:
-        while not self._closed.wait(self.every):
-            if time.monotonic() - self._last < self.every:
-                continue
-            self._last = time.monotonic()
-            if self._bar is not None:
-                self._bar.refresh()  # its elapsed time moves on
-                _tell(f"{self.what}: {self._amount()}")
-            else:
-                say("%s: %s so far (%.0f s)", self.what, self._amount(),
-                    self._last - self.start)
+    @staticmethod
+    def _beat(ref: weakref.ref[Progress], closed: threading.Event, every: float) -> None:
+        """Until closed, or dropped unclosed (an error mid-step): then it says nothing."""
+        while not closed.wait(every):
+            self = ref()
+            if self is None:
+                return
+            if time.monotonic() - self._last >= every:
+                self._last = time.monotonic()
+                if self._bar is not None:
+                    self._bar.refresh()  # its elapsed time moves on
+                    _tell(f"{self.what}: {self._amount()}")
+                else:
+                    say("%s: %s so far (%.0f s)", self.what, self._amount(),
+                        self._last - self.start)
+            del self
 
     def set_total(self, total: float) -> None:
         self.total = total
