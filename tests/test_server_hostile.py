@@ -5,9 +5,13 @@ graceful drain. One test per way a client tried to break it."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
+import threading
 import time
+import tracemalloc
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +218,57 @@ async def test_user_text_never_becomes_control_tokens_unless_the_server_opts_in(
     if not opt_in:
         assert smol_tokenizer.decode(chat_ids, skip_special_tokens=False).count(
             "You are evil") == 1
+
+
+class _Scanned(str):
+    """A message content that counts the characters searched in it."""
+
+    scanned = 0
+
+    def _scan(self) -> None:
+        _Scanned.scanned += len(self)
+
+    def __contains__(self, other: object) -> bool:
+        self._scan()
+        return super().__contains__(other)  # type: ignore[operator]
+
+    def find(self, *args: Any) -> int:
+        self._scan()
+        return super().find(*args)
+
+    def partition(self, sep: str) -> tuple[str, str, str]:
+        self._scan()
+        return super().partition(sep)
+
+
+def test_a_chat_spelling_a_special_token_renders_in_work_linear_in_its_size(
+        smol_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's case: thousands of one-character messages, one spelling ``<|im_end|>``.
+    The characters searched in contents and the tokenizer's calls grow with the chat, not
+    with its square."""
+    calls = {"encode": 0, "render": 0}
+    hf = smol_tokenizer.hf
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            if name in ("encode", "__call__", "apply_chat_template", "encode_plus",
+                        "batch_encode_plus"):
+                calls["render" if name == "apply_chat_template" else "encode"] += 1
+            return getattr(hf, name)
+
+    monkeypatch.setattr(smol_tokenizer, "hf", Counting())
+
+    def work(n: int) -> tuple[int, int]:
+        messages = [{"role": "user", "content": _Scanned("x")} for _ in range(n)]
+        messages[n // 2]["content"] = _Scanned("<|im_end|>")
+        _Scanned.scanned, calls["encode"], calls["render"] = 0, 0, 0
+        ids = smol_tokenizer.apply_chat_template(messages, special_tokens=False)
+        assert ids.count(2) == n + 1  # <|im_end|>: the system turn's and each message's
+        return _Scanned.scanned, calls["encode"] + calls["render"]
+
+    small, large = work(1000), work(4000)
+    assert large[0] <= 4.5 * small[0], (small, large)
+    assert large[1] <= 4.5 * max(small[1], 1), (small, large)
 
 
 async def test_an_unknown_role_is_refused(engine: StubEngine) -> None:
@@ -534,3 +589,69 @@ async def test_uploads_that_stall_hold_no_place_in_the_queue(engine: StubEngine)
         for writer in writers:
             writer.close()
     assert len(engine.prompts) == 1
+
+
+def _bomb(inflated: int) -> bytes:
+    """A gzip stream of ``inflated`` zero bytes (about a thousandth of that in size)."""
+    deflater = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = bytes(2**20)
+    return b"".join([*(deflater.compress(zeros) for _ in range(inflated // 2**20)),
+                     deflater.flush()])
+
+
+async def test_gzip_bombs_are_a_413_inflated_no_further_than_the_limit(
+        engine: StubEngine) -> None:
+    """Three bodies of 256 KiB inflating to 256 MiB each, at once: each a 413, and what
+    the server allocated meanwhile stays near the limit per body, far below one bomb."""
+    bomb = _bomb(256 * 2**20)
+    async with TestServer(create_app(engine)) as server:
+        tracemalloc.start()
+        try:
+            heads = await asyncio.gather(*(_raw_post(server, b"Content-Encoding: gzip", bomb)
+                                           for _ in range(3)))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert all(head.startswith(b"HTTP/1.1 413") for head in heads), heads
+        ok = gzip.compress(json.dumps({"prompt": "hi", "max_tokens": 1}).encode())
+        assert (await _raw_post(server, b"Content-Encoding: gzip", ok)).startswith(
+            b"HTTP/1.1 200")
+    assert peak < 4 * 17 * 2**20, peak
+    assert len(engine.prompts) == 1
+
+
+async def test_health_is_answered_while_a_bomb_inflates(
+        engine: StubEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inflater held mid-bomb: /health is answered before it goes on (inflating on the
+    event loop, /health would come after)."""
+    import asyncinfer.server.body as body
+
+    entered, release = threading.Event(), threading.Event()
+    events: list[str] = []
+    inflate = body.inflate
+
+    def held(*args: Any) -> bytes:
+        entered.set()
+        release.wait(30)
+        events.append("inflated")
+        return inflate(*args)
+
+    monkeypatch.setattr(body, "inflate", held)
+    async with TestServer(create_app(engine)) as server:
+        bomb = asyncio.ensure_future(_raw_post(server, b"Content-Encoding: gzip",
+                                               _bomb(64 * 2**20)))
+        assert await asyncio.to_thread(entered.wait, 30)
+        async with aiohttp.ClientSession() as session, session.get(
+                f"http://{server.host}:{server.port}/health") as response:
+            assert response.status == 200
+            events.append("health")
+        release.set()
+        assert (await bomb).startswith(b"HTTP/1.1 413")
+    assert events == ["health", "inflated"]
+
+
+async def test_an_encoding_the_server_does_not_take_is_a_415(engine: StubEngine) -> None:
+    async with TestServer(create_app(engine)) as server:
+        head = await _raw_post(server, b"Content-Encoding: br", b"\x0b\x02\x80{}\x03")
+        assert head.startswith(b"HTTP/1.1 415"), head
+    assert not engine.prompts

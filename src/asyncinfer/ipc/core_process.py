@@ -1,6 +1,7 @@
 """The engine core process: an ``AsyncEngine`` fed over ZeroMQ, one :class:`~.messages.Out`
-per round per front. It ignores SIGINT (the server drains its fronts first); SIGTERM, a
-Shutdown or the server's exit stops it. See docs/architecture.md, "The engine core"."""
+per round per front. It ignores SIGINT and SIGHUP (the server drains its fronts first);
+SIGTERM, a Shutdown or the server's exit stops it, and it removes its sockets' directory.
+See docs/architecture.md, "The engine core"."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -182,13 +185,54 @@ class EngineCore:
 def run_engine_core(options: dict[str, Any], addresses: msg.Addresses, fronts: int,
                     ready: Connection, verbose: bool = False) -> None:
     """The core process's entry: check that this machine can run ``options`` (before
-    anything is fetched or loaded: see ``machine.check_environment``), load the engine,
-    report ready (a CoreInfo) or the error that stopped it (a string, one line for an
-    error raised on purpose) on ``ready``, then serve until stopped."""
+    anything is fetched or loaded: see ``machine.check_environment``), load the engine
+    (each step a :class:`~.messages.Step` on ``ready``), report ready (a CoreInfo) or the
+    error that stopped it (a string, one line for an error raised on purpose) on
+    ``ready``, then serve until stopped."""
     from asyncinfer.logs import configure_logging
 
     configure_logging(verbose, "core")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGHUP):  # ignored by the ranks it starts, too
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop_loading)  # a fetch's temporary files go with it
+    from asyncinfer.models.progress import on_step
+
+    reporter = _Ready(ready)
+    on_step(reporter.step)
+    try:
+        _run(options, addresses, fronts, reporter)
+    finally:
+        shutil.rmtree(addresses.directory, ignore_errors=True)  # the server may be gone
+    # All is closed and flushed: skip the interpreter's teardown (seconds with torch).
+    logging.shutdown()
+    os._exit(0)
+
+
+def _stop_loading(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+class _Ready:
+    """The pipe to the server: steps (from any thread) while the core starts, then its
+    answer; nothing after that."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.lock, self.open = conn, threading.Lock(), True
+
+    def step(self, text: str) -> None:
+        with self.lock:
+            if self.open:
+                self.conn.send(msg.Step(text))
+
+    def answer(self, answer: msg.CoreInfo | str) -> None:
+        with self.lock:
+            self.open = False
+            self.conn.send(answer)
+            self.conn.close()
+
+
+def _run(options: dict[str, Any], addresses: msg.Addresses, fronts: int,
+         ready: _Ready) -> None:
     try:
         from asyncinfer.config import EngineConfig
         from asyncinfer.machine import check_environment
@@ -198,9 +242,8 @@ def run_engine_core(options: dict[str, Any], addresses: msg.Addresses, fronts: i
 
         engine = AsyncEngine(**options)
     except Exception as exc:
-        ready.send(str(exc) if isinstance(exc, AsyncInferError)
-                   else f"{type(exc).__name__}: {exc}")
-        ready.close()
+        ready.answer(str(exc) if isinstance(exc, AsyncInferError)
+                     else f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
     parent = os.getppid()
     loop = new_event_loop()
@@ -211,7 +254,7 @@ def run_engine_core(options: dict[str, Any], addresses: msg.Addresses, fronts: i
         loop.close()
 
 
-async def _serve(engine: Any, addresses: msg.Addresses, fronts: int, ready: Connection,
+async def _serve(engine: Any, addresses: msg.Addresses, fronts: int, ready: _Ready,
                  parent: int) -> None:
     core = EngineCore(engine, addresses, fronts)
     loop = asyncio.get_running_loop()
@@ -223,12 +266,11 @@ async def _serve(engine: Any, addresses: msg.Addresses, fronts: int, ready: Conn
 
     unwatch = watch_exit(parent, orphaned)
     runner = engine.runner
-    ready.send(msg.CoreInfo(os.getpid(), engine.model_name, engine.config.model,
-                            engine.context_len, runner.num_pages, runner.page_size,
-                            engine.policy.name, runner.tp.size, str(runner.device),
-                            str(runner.dtype).removeprefix("torch."),
-                            engine.config.resolved_attention_backend))
-    ready.close()
+    ready.answer(msg.CoreInfo(os.getpid(), engine.model_name, engine.config.model,
+                              engine.context_len, runner.num_pages, runner.page_size,
+                              engine.policy.name, runner.tp.size, str(runner.device),
+                              str(runner.dtype).removeprefix("torch."),
+                              engine.config.resolved_attention_backend))
     try:
         await core.run()
     finally:

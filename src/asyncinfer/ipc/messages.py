@@ -94,6 +94,13 @@ class Addresses:
 
 
 @attrs.frozen
+class Step:
+    """What the core is doing while it starts (fetching, converting, loading the model)."""
+
+    text: str
+
+
+@attrs.frozen
 class CoreInfo:
     """What the core tells the server once its model is loaded (``device``: rank 0's)."""
 

@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from asyncinfer.cachedir import models_dir
 from asyncinfer.errors import ConfigError
-from asyncinfer.models.progress import Progress, format_size, say
+from asyncinfer.models.progress import Progress, format_size, say, step
 
 
 def gguf_target(gguf: Path) -> Path:
@@ -97,28 +97,28 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _quiet_transformers_bars(gguf.name):
-        say("converting %s: reading the tokenizer", gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        say("converting %s: reading and dequantizing the weights", gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with step("converting %s: reading the tokenizer", gguf.name):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with step("converting %s: reading and dequantizing the weights", gguf.name):
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         quantizer = getattr(model, "hf_quantizer", None)
         if quantizer is not None:  # save_pretrained refuses a model still marked GGUF
             quantizer.remove_quantization_config(model)
-        say("converting %s: writing the safetensors", gguf.name)
-        # Renamed into place when whole: an interrupted conversion never looks done, and
-        # of two at once the first rename wins.
-        staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.", suffix=".partial",
-                                        dir=target.parent))
-        try:
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            staging.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        with step("converting %s: writing the safetensors", gguf.name):
+            # Renamed into place when whole: an interrupted conversion never looks done, and
+            # of two at once the first rename wins.
+            staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.", suffix=".partial",
+                                            dir=target.parent))
+            try:
+                model.save_pretrained(staging)
+                tokenizer.save_pretrained(staging)
+                staging.rename(target)
+            except OSError:
+                if not (target / "config.json").exists():
+                    raise
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
     written = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
     say("converted %s in %.1f s: %s in %s", gguf.name, time.monotonic() - start,
         format_size(written), target)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
 import time
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_listeners: list[Callable[[str], None]] = []
+HEARTBEAT = 10.0  # seconds of a step without a line before it says it is still at it
 
 
 def format_size(nbytes: float) -> str:
@@ -22,14 +27,49 @@ def format_size(nbytes: float) -> str:
     return f"{nbytes / 2**10:.0f} KiB"
 
 
+def on_step(listener: Callable[[str], None]) -> Callable[[], None]:
+    """Have ``listener`` called with every step and progress line from now on (the engine
+    core passes them to the server, whose /health names the step while it starts);
+    returns a function that stops it."""
+    _listeners.append(listener)
+    return lambda: _listeners.remove(listener)
+
+
+def _tell(text: str) -> None:
+    for listener in _listeners:
+        with contextlib.suppress(Exception):
+            listener(text)
+
+
 def say(message: str, *args: object) -> None:
     """Log a start-up step at INFO; with no logging set up at all (a script calling
     ``LLM()``), print it to stderr, so a first run's fetch never passes in silence."""
+    _tell(message % args if args else message)
     if logging.getLogger().hasHandlers():
         logger.info(message, *args)
     else:
         print("asyncinfer: " + (message % args if args else message), file=sys.stderr,
               flush=True)
+
+
+@contextlib.contextmanager
+def step(message: str, *args: object, every: float = HEARTBEAT) -> Iterator[None]:
+    """Say a step, then every ``every`` s while it lasts that it still is at it."""
+    say(message, *args)
+    text = message % args if args else message
+    start = time.monotonic()
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every):
+            say("%s: still at it (%.0f s)", text, time.monotonic() - start)
+
+    beating = threading.Thread(target=beat, name="asyncinfer-step", daemon=True)
+    beating.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 class Progress:
@@ -40,7 +80,8 @@ class Progress:
                  every: float = 5.0, bar: bool = True) -> None:
         self.what, self.total, self.unit, self.every = what, total, unit, every
         self.done = 0.0
-        self.start = self._last = time.monotonic()
+        self.start = self._last = self._told = time.monotonic()
+        self._closed = threading.Event()
         self._shown = (logger.isEnabledFor(logging.INFO)
                        or not logging.getLogger().hasHandlers())
         self._bar: Any = None
@@ -51,6 +92,29 @@ class Progress:
                              unit_divisor=1024, file=sys.stderr, dynamic_ncols=True)
         elif self._shown:
             say("%s%s", what, f" ({self._show(total)})" if total else "")
+        else:
+            _tell(what)
+        if self._shown:  # a line (a refreshed bar) at least every ``every`` s
+            threading.Thread(target=Progress._beat, args=(weakref.ref(self), self._closed,
+                                                          every),
+                             name="asyncinfer-progress", daemon=True).start()
+
+    @staticmethod
+    def _beat(ref: weakref.ref[Progress], closed: threading.Event, every: float) -> None:
+        """Until closed, or dropped unclosed (an error mid-step): then it says nothing."""
+        while not closed.wait(every):
+            self = ref()
+            if self is None:
+                return
+            if time.monotonic() - self._last >= every:
+                self._last = time.monotonic()
+                if self._bar is not None:
+                    self._bar.refresh()  # its elapsed time moves on
+                    _tell(f"{self.what}: {self._amount()}")
+                else:
+                    say("%s: %s so far (%.0f s)", self.what, self._amount(),
+                        self._last - self.start)
+            del self
 
     def set_total(self, total: float) -> None:
         self.total = total
@@ -61,10 +125,14 @@ class Progress:
     def update(self, amount: float) -> None:
         """``amount`` more is done."""
         self.done += amount
+        now = time.monotonic()
+        if now - self._told >= 1.0:  # the server's /health: once a second at most
+            self._told = now
+            _tell(f"{self.what}: {self._amount()}")
         if self._bar is not None:
             self._bar.update(amount)
+            self._last = now
             return
-        now = time.monotonic()
         if self._shown and now - self._last >= self.every:
             self._last = now
             say("%s: %s", self.what, self._amount())
@@ -72,6 +140,7 @@ class Progress:
     def close(self, outcome: str = "done") -> float:
         """End the report with ``outcome`` and the seconds it took; returns the seconds."""
         seconds = time.monotonic() - self.start
+        self._closed.set()
         if self._bar is not None:
             self._bar.close()
         if self._shown:

@@ -35,7 +35,9 @@ def create_app(backend: GenerateBackend, *, api_key: str | None = None,
     served_name = served_model_name or backend.model_name
     metrics = ServerMetrics(backend.stats)
     middlewares = [error_middleware] + ([auth_middleware(api_key)] if api_key else [])
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    # Bodies are inflated by .body, bounded and off the event loop, not by aiohttp.
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES,
+                          handler_args={"auto_decompress": False})
     state = ServerState()
     app[METRICS], app[STATE], app[BACKEND] = metrics, state, backend
     operations = Operations(backend, options, state, metrics)

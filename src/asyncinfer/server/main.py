@@ -16,9 +16,10 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
 
@@ -32,6 +33,8 @@ from asyncinfer.server.options import ServerOptions
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
 
+    from asyncinfer.server.starting import Starting
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["app_runner", "new_event_loop", "serve"]
@@ -40,18 +43,25 @@ CORE_START_TIMEOUT = 1800.0   # loading and capturing a large model takes a whil
 CORE_STOP_TIMEOUT = 30.0
 
 
-class StopSignals:
-    """SIGTERM and SIGINT, caught from a process's first moment: a signal that comes before
-    the event loop watches for them is kept in :attr:`received` instead of killing the process
-    (SIGTERM) or raising at a random point (SIGINT)."""
+# The signals that stop a server (a terminal's hang-up as SIGTERM); a front process other
+# than the server's own ignores SIGHUP: the server process decides, and stops it.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+FRONT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+
+class StopSignals:
+    """``signals`` caught from a process's first moment: one that comes before the event loop
+    watches for them is kept in :attr:`received` instead of killing the process (SIGTERM,
+    SIGHUP) or raising at a random point (SIGINT)."""
+
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS) -> None:
         self.received: list[int] = []
+        self.signals = signals
         self.install()
 
     def install(self) -> None:
-        """Catch both signals here (again after an event loop that watched them closes)."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        """Catch them here (again after an event loop that watched them closes)."""
+        for sig in self.signals:
             signal.signal(sig, self._keep)
 
     def _keep(self, signum: int, _frame: object) -> None:
@@ -92,46 +102,94 @@ def app_runner(app: web.Application, header_timeout: float) -> web.AppRunner:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Serve one replica on ``args.host:args.port`` until SIGTERM or SIGINT (then 0), or
-    until a process of the server dies (then 1); ``--dp`` is :mod:`.cli`'s to dispatch."""
+    """Serve one replica on ``args.host:args.port`` until SIGTERM, SIGINT or SIGHUP (then
+    0), or until a process of the server dies (then 1); ``--dp`` is :mod:`.cli`'s to
+    dispatch. From the moment the port is bound it answers: 503 naming the step until
+    the engine is ready."""
     options = ServerOptions.from_args(args)  # a wrong flag fails before the core loads
     signals = StopSignals()
-    workers = options.api_workers
-    verbose = bool(getattr(args, "verbose", False))
     listener = listen(options.host, options.port)
     directory = tempfile.mkdtemp(prefix="asyncinfer-")
-    addresses = Addresses(directory)
-    spawn = multiprocessing.get_context("spawn")
-    core: SpawnProcess | None = None
-    fronts: list[SpawnProcess] = []
+    processes: list[SpawnProcess] = []  # the core, then fronts 1 .. N-1
+    loop = new_event_loop()
     try:
-        try:
-            core, info = _start_core(spawn, engine_options(args), addresses, workers, verbose,
-                                     signals.received)
-        except _Stopped:
+        return loop.run_until_complete(_serve(args, options, listener, Addresses(directory),
+                                              signals, processes))
+    finally:
+        loop.close()
+        signals.install()  # closing gave them back their default actions
+        listener.close()
+        for front in processes[1:]:
+            _reap(front, args.shutdown_delay + args.shutdown_timeout + 15)
+        if processes:
+            _reap(processes[0], CORE_STOP_TIMEOUT)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def _serve(args: argparse.Namespace, options: ServerOptions, listener: socket.socket,
+                 addresses: Addresses, signals: StopSignals,
+                 processes: list[SpawnProcess]) -> int:
+    """Answer "starting" on ``listener`` while the core loads, then serve as front 0."""
+    from asyncinfer.server.starting import Starting
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in signals.signals:
+        loop.add_signal_handler(sig, stop.set)
+    if signals.received:
+        stop.set()
+    starting = Starting("starting the engine core")
+    await starting.open(listener, args.header_timeout)
+    try:
+        info = await _start_core(args, options, addresses, starting, stop, processes)
+        if info is None:
             logger.info("stopped while the engine core was starting")
             return 0
+        spawn = multiprocessing.get_context("spawn")
+        workers = options.api_workers
         for index in range(1, workers):
             front = spawn.Process(target=_front_process, name=f"asyncinfer-front-{index}",
                                   args=(args, info, addresses, index, workers, listener,
-                                        verbose))
+                                        bool(getattr(args, "verbose", False))))
             front.start()
-            fronts.append(front)
-        loop = new_event_loop()
-        try:
-            return loop.run_until_complete(_front(
-                args, info, addresses, 0, workers, listener, signals, children=fronts,
-                core=core))
-        finally:
-            loop.close()
-            signals.install()  # closing gave them back their default actions
+            processes.append(front)
+        return await _front(args, info, addresses, 0, workers, listener, signals,
+                            children=processes[1:], core=processes[0], starting=starting,
+                            stop=stop)
     finally:
-        listener.close()
-        for front in fronts:
-            _reap(front, args.shutdown_delay + args.shutdown_timeout + 15)
-        if core is not None:
-            _reap(core, CORE_STOP_TIMEOUT)
-        shutil.rmtree(directory, ignore_errors=True)
+        await starting.close()
+
+
+async def _start_core(args: argparse.Namespace, options: ServerOptions,
+                      addresses: Addresses, starting: Starting, stop: asyncio.Event,
+                      processes: list[SpawnProcess]) -> CoreInfo | None:
+    """Start the engine core (appended to ``processes``), its steps on ``starting``; its
+    CoreInfo, or None where ``stop`` was set first (the core then stopped)."""
+    from asyncinfer.ipc.core_process import run_engine_core
+
+    # Started from this thread: a child started by a worker thread would be that thread's.
+    spawn = multiprocessing.get_context("spawn")
+    receive, send = spawn.Pipe(duplex=False)
+    core = spawn.Process(target=run_engine_core, name="asyncinfer-core",
+                         args=(engine_options(args), addresses, options.api_workers, send,
+                               bool(getattr(args, "verbose", False))))
+    core.start()
+    send.close()
+    stopping = threading.Event()
+    loading: asyncio.Future[Any] = asyncio.ensure_future(
+        asyncio.get_running_loop().run_in_executor(
+            None, _wait_core, core, receive, stopping, starting.set_step, processes))
+    halted: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([loading, halted], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        halted.cancel()
+    if stop.is_set():
+        stopping.set()
+    try:
+        return await loading
+    except _Stopped:
+        return None
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -151,37 +209,39 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _start_core(spawn: Any, options: dict[str, Any], addresses: Addresses, workers: int,
-                verbose: bool, stopping: list[int]) -> tuple[SpawnProcess, CoreInfo]:
-    """Start the engine core and wait for its CoreInfo (or the error it failed with); raise
-    :class:`_Stopped`, the core stopped, once ``stopping`` holds a signal."""
-    from asyncinfer.ipc.core_process import run_engine_core
+def _wait_core(core: SpawnProcess, receive: multiprocessing.connection.Connection,
+               stopping: threading.Event, on_step: Callable[[str], None],
+               processes: list[SpawnProcess]) -> CoreInfo:
+    """Wait for the engine core's CoreInfo (or the error it failed with) on ``receive``,
+    each step it reports to ``on_step``; raise :class:`_Stopped`, the core stopped, once
+    ``stopping`` is set."""
+    from asyncinfer.ipc.messages import Step
 
-    receive, send = spawn.Pipe(duplex=False)
-    core = spawn.Process(target=run_engine_core, name="asyncinfer-core",
-                         args=(options, addresses, workers, send, verbose))
-    core.start()
-    send.close()
+    answer: Any = None
     try:
         deadline = time.monotonic() + CORE_START_TIMEOUT
-        ready: list[Any] = []
-        while not ready and not stopping and time.monotonic() < deadline:
-            ready = multiprocessing.connection.wait([receive, core.sentinel], 0.1)
-        if stopping:
-            core.terminate()
-            raise _Stopped
-        if receive not in ready:
-            core.join(1.0)
-            if not ready:
+        while answer is None or isinstance(answer, Step):
+            if isinstance(answer, Step):
+                on_step(answer.text)
+            answer = None
+            if stopping.is_set():
+                core.terminate()
+                raise _Stopped
+            if time.monotonic() > deadline:
                 raise EngineError(f"the engine core did not start within "
                                   f"{CORE_START_TIMEOUT:g} s")
-            raise EngineError(f"the engine core {describe_exit(core.exitcode)} while starting")
-        try:
-            answer = receive.recv()
-        except EOFError:
-            core.join(5.0)
-            raise EngineError(f"the engine core {describe_exit(core.exitcode)} while "
-                              "starting") from None
+            ready = multiprocessing.connection.wait([receive, core.sentinel], 0.1)
+            if receive in ready or (ready and receive.poll()):
+                try:
+                    answer = receive.recv()
+                except EOFError:
+                    core.join(5.0)
+                    raise EngineError(f"the engine core {describe_exit(core.exitcode)} "
+                                      "while starting") from None
+            elif ready:
+                core.join(1.0)
+                raise EngineError(f"the engine core {describe_exit(core.exitcode)} while "
+                                  "starting")
     except BaseException:
         _reap(core, 5.0)
         raise
@@ -190,7 +250,8 @@ def _start_core(spawn: Any, options: dict[str, Any], addresses: Addresses, worke
     if isinstance(answer, str):
         core.join(10.0)
         raise ConfigError(answer)
-    return core, answer
+    processes.append(core)
+    return cast(CoreInfo, answer)
 
 
 def _reap(process: Any, timeout: float) -> None:
@@ -208,7 +269,8 @@ def _reap(process: Any, timeout: float) -> None:
 def _front_process(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
                    index: int, workers: int, listener: socket.socket, verbose: bool) -> None:
     """The entry of fronts 1 .. N-1."""
-    signals = StopSignals()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signals = StopSignals(FRONT_STOP_SIGNALS)
     configure_logging(verbose, f"front {index}")
     loop = new_event_loop()
     try:
@@ -222,19 +284,23 @@ def _front_process(args: argparse.Namespace, info: CoreInfo, addresses: Addresse
 async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses, index: int,
                  workers: int, listener: socket.socket, signals: StopSignals, *,
                  parent: int | None = None, children: list[SpawnProcess] | None = None,
-                 core: SpawnProcess | None = None) -> int:
+                 core: SpawnProcess | None = None, starting: Starting | None = None,
+                 stop: asyncio.Event | None = None) -> int:
     """Serve HTTP on ``listener`` for the core until stopped (at once where ``signals``
-    kept one from before the loop watched them); the exit code."""
+    kept one from before the loop watched them, or ``stop`` is set); the exit code.
+    ``starting`` answers on the port until this front's app takes over."""
     from asyncinfer.ipc.client import EngineClient
     from asyncinfer.server.app import create_app
-    from asyncinfer.server.operations import drain, unready
+    from asyncinfer.server.operations import STATE, drain, unready
     from asyncinfer.server.router_api import WorkerInfo
     from asyncinfer.tokenizer import Tokenizer
 
     loop = asyncio.get_running_loop()
+    if starting is not None:
+        starting.set_step("loading the tokenizer")
     tokenizer = await loop.run_in_executor(None, Tokenizer.from_pretrained, info.model_dir)
     client = EngineClient(info, addresses, index, workers, tokenizer)
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     failure: list[str] = []
 
     def fail(why: Callable[[], str]) -> Callable[[], None]:
@@ -245,7 +311,7 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
             stop.set()
         return stop_failing
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in signals.signals:
         loop.add_signal_handler(sig, stop.set)
     if signals.received:
         stop.set()
@@ -267,6 +333,8 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
                          options=ServerOptions.from_args(args), worker=worker)
         runner = app_runner(app, args.header_timeout)
         await runner.setup()
+        if starting is not None:  # meanwhile new connections wait in the listen queue
+            await starting.close()
         await web.SockSite(runner, listener).start()
         if index == 0:
             url = http_url(args.host, listener.getsockname()[1])
@@ -284,7 +352,12 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
             await drain(app, 0.5, grace=0.5)
         else:
             await unready(app, args.shutdown_delay)
-            logger.info("shutting down: draining for up to %g s", args.shutdown_timeout)
+            in_flight = app[STATE].in_flight
+            if in_flight:
+                logger.info("shutting down: draining %d requests in flight for up to %g s",
+                            in_flight, args.shutdown_timeout)
+            else:
+                logger.info("shutting down: nothing in flight, stopping now")
             await drain(app, args.shutdown_timeout)
             for child in children or []:
                 await loop.run_in_executor(None, child.join,

@@ -26,6 +26,7 @@ import asyncinfer.server.protocol as protocol
 import asyncinfer.server.translate as translate
 from asyncinfer.errors import ConfigError, EngineError
 from asyncinfer.server.backend import GenerateBackend
+from asyncinfer.server.body import decoded
 from asyncinfer.server.errors import CLIENT_CLOSED, APIError, bad_request, error_payload
 from asyncinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from asyncinfer.server.openapi import openapi_document
@@ -285,8 +286,9 @@ async def read_json_body(request: web.Request, timeout: float) -> dict[str, Any]
                      request.path)
         raise APIError(CLIENT_CLOSED, "the client closed the connection",
                        code="client_closed_request") from None
-    except web.RequestPayloadError as exc:  # a corrupt compressed body, a short chunked one
+    except web.RequestPayloadError as exc:  # a short chunked body
         raise bad_request(f"the request body could not be read: {exc}") from None
+    raw = await decoded(request, raw, request.client_max_size)
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # also bad UTF-8 and absurd nesting
