@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from asyncinfer.layers.fused_moe import Experts
 from asyncinfer.layers.linear import Linear, TiedHead, keeps_both_copies, pack_weight
 from asyncinfer.memory import Slab
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 def use_fp32_shadows(model: nn.Module) -> None:
     """Run every matrix product of ``model`` in float32 over a copy of its weights."""
     for module in model.modules():
-        if isinstance(module, Linear | TiedHead):
+        if isinstance(module, Linear | TiedHead | Experts):
             module.use_fp32_shadow()
 
 
@@ -30,6 +31,8 @@ def weight_bytes(model: nn.Module) -> int:
             total += sum(t.nbytes for t in shadow if t is not None)
         elif isinstance(module, TiedHead) and shadow is not None:
             total += shadow.nbytes
+        elif isinstance(module, Experts) and shadow is not None:
+            total += sum(t.nbytes for t in shadow)
     return total
 
 
