@@ -20,6 +20,7 @@ from asyncinfer.core import Batch
 from asyncinfer.errors import UnsupportedModelError
 from asyncinfer.layers import fused_moe
 from asyncinfer.layers.fused import silu_mul
+from asyncinfer.params import SamplingParams
 from tests.conftest import _save_tiny
 from tests.hf_reference import hf_last_logits, load_hf, place_rows
 from tests.test_model_families import _edited
@@ -163,6 +164,7 @@ _TRITON_CHECK = """
 import torch
 from asyncinfer.layers import fused_moe, triton_moe
 from asyncinfer.layers.fused import silu_mul
+from asyncinfer.params import SamplingParams
 from tests.test_moe import _random_moe
 
 x, w13, w2, ids, weights = _random_moe(19, hidden=48, inter=24, seed=1)
@@ -200,3 +202,18 @@ def test_a_qwen3_moe_field_that_is_not_implemented_is_refused_by_name(
     with pytest.raises(UnsupportedModelError, match=re.escape(named)):
         LLM(str(model_dir), skip_tokenizer_init=True, dtype="float32", num_pages=64,
             max_seq_len=256)
+
+
+def test_the_cpu_moe_benchmark_shape_runs_on_dummy_weights(tmp_path: Path) -> None:
+    """``--shape qwen3-moe-tiny``: the engine builds it and generates every token asked."""
+    from asyncinfer.bench.throughput import shape_dir
+
+    llm = LLM(str(shape_dir("qwen3-moe-tiny", tmp_path)), skip_tokenizer_init=True,
+              load_format="dummy", max_seq_len=128, num_pages=64)
+    try:
+        outputs = llm.generate([[5, 6, 7], list(range(3, 40))],
+                               SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)
+        assert [len(o.token_ids) for o in outputs] == [4, 4]
+    finally:
+        llm.close()
