@@ -20,6 +20,7 @@ from asyncinfer.core import Batch
 from asyncinfer.errors import UnsupportedModelError
 from asyncinfer.layers import fused_moe
 from asyncinfer.layers.fused import silu_mul
+from asyncinfer.layers.linear import can_pack
 from asyncinfer.params import SamplingParams
 from tests.conftest import _save_tiny
 from tests.hf_reference import hf_last_logits, load_hf, place_rows
@@ -107,6 +108,10 @@ def test_moe_bf16_logits_are_close_to_transformers(model: str, fp32_kernels: str
     model_dir = request.getfixturevalue(model)
     runner = runner_for(model_dir, dtype="bfloat16", cpu_fp32_compute=fp32_kernels)
     assert runner.config.fp32_kernels == (fp32_kernels == "on")
+    experts = next(m for m in runner.model.modules() if isinstance(m, fused_moe.Experts))
+    # float32 kernels read a shadow; else the experts are packed where this CPU packs bf16.
+    assert (experts.shadow is not None) == (fp32_kernels == "on")
+    assert (experts.packed is not None) == (fp32_kernels == "off" and can_pack(torch.bfloat16))
     hf = load_hf(model_dir)
     rng = random.Random(3)
     prompt = [rng.randrange(3, 500) for _ in range(40)]
@@ -164,6 +169,7 @@ _TRITON_CHECK = """
 import torch
 from asyncinfer.layers import fused_moe, triton_moe
 from asyncinfer.layers.fused import silu_mul
+from asyncinfer.layers.linear import can_pack
 from asyncinfer.params import SamplingParams
 from tests.test_moe import _random_moe
 
@@ -217,3 +223,4 @@ def test_the_cpu_moe_benchmark_shape_runs_on_dummy_weights(tmp_path: Path) -> No
         assert [len(o.token_ids) for o in outputs] == [4, 4]
     finally:
         llm.close()
+

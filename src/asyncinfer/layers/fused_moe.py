@@ -5,15 +5,22 @@ docs/architecture.md, 'Mixture of experts'."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from asyncinfer.layers import triton_moe
+from asyncinfer.layers.linear import PACKED_ROWS, PackedWeight, pack_weight
+
+if TYPE_CHECKING:
+    from asyncinfer.kernels.cpu import NativeKernels
+    from asyncinfer.memory import Slab
 
 Tensor = torch.Tensor
+Packed = Sequence[tuple[PackedWeight, PackedWeight]]
 
 
 def expert_linear(x: Tensor, weight: Tensor) -> Tensor:
@@ -22,17 +29,19 @@ def expert_linear(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def grouped_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                act: Callable[[Tensor], Tensor]) -> Tensor:
+                act: Callable[[Tensor], Tensor], packed: Packed | None = None,
+                packed_rows: int | None = None) -> Tensor:
     """``sum_k weight[t, k] * down_e(act(gate_up_e(x[t])))`` for e = topk_ids[t, k].
 
     The (token, k) pairs are sorted by expert; each expert with tokens runs two products over
     its rows, so the products per call are at most 2 E whatever the token count. Each
     product's output rounds to ``x.dtype`` (the weights may be a float32 shadow); the routing
     weight multiplies in its own dtype; the sum runs in ``x.dtype`` in expert order, as
-    transformers' loop over experts adds them.
+    transformers' loop over experts adds them. ``packed``: each expert's (w13, w2) packed
+    for this CPU, used for groups of at most ``packed_rows`` rows (None: every group).
     """
     tokens, top_k = topk_ids.shape
-    experts = w13.shape[0]
+    experts = len(packed) if packed is not None else w13.shape[0]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=experts).tolist()
@@ -44,9 +53,13 @@ def grouped_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weigh
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        group = rows[start : start + n].to(compute)
-        h = act(expert_linear(group, w13[e]).to(x.dtype))
-        out[start : start + n] = expert_linear(h.to(compute), w2[e]).to(x.dtype)
+        group = rows[start : start + n]
+        if packed is not None and (packed_rows is None or n <= packed_rows):
+            up, down = packed[e]
+            out[start : start + n] = down(act(up(group)))
+        else:
+            h = act(expert_linear(group.to(compute), w13[e]).to(x.dtype))
+            out[start : start + n] = expert_linear(h.to(compute), w2[e]).to(x.dtype)
         start += n
     weights = topk_weights.reshape(-1).index_select(0, order)
     out = (out * weights.unsqueeze(1)).to(x.dtype)
@@ -64,6 +77,8 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, intermediate))
         self.shadow: tuple[Tensor, Tensor] | None = None
+        self.packed: list[tuple[PackedWeight, PackedWeight]] | None = None
+        self.packed_rows: int | None = None  # above this many rows, the plain weights
 
     def load(self, expert: int, part: str, weight: Tensor) -> None:
         """Copy one expert's checkpoint tensor: ``part`` "gate", "up" or "down"."""
@@ -82,10 +97,27 @@ class Experts(nn.Module):
             self.w13.data = self.w13.data.new_empty(0)
             self.w2.data = self.w2.data.new_empty(0)
 
+    def weights(self) -> list[Tensor]:
+        """Each expert's two weights, as a packing pass sizes them."""
+        return [w for e in range(self.num_experts) for w in (self.w13[e], self.w2[e])]
+
+    def pack_for_cpu(self, rows_hint: int, keep_plain: bool = True,
+                     kernels: NativeKernels | None = None, slab: Slab | None = None) -> None:
+        """Multiply through each expert's packed copies from now on (as ``Linear`` does)."""
+        self.packed = [(pack_weight(self.w13[e], rows_hint, kernels, slab),
+                        pack_weight(self.w2[e], rows_hint, kernels, slab))
+                       for e in range(self.num_experts)]
+        all_rows = all(p.takes_all_rows for pair in self.packed for p in pair)
+        self.packed_rows = None if all_rows or not keep_plain else PACKED_ROWS
+        if not keep_plain:
+            self.w13.data = self.w13.data.new_empty(0)
+            self.w2.data = self.w2.data.new_empty(0)
+
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
                 act: Callable[[Tensor], Tensor]) -> Tensor:
         """[T, H] from x [T, H] and each token's experts and weights [T, k]."""
         w13, w2 = self.shadow if self.shadow is not None else (self.w13, self.w2)
         if x.is_cuda and triton_moe.available(x.device):
             return triton_moe.fused_moe(x, w13, w2, topk_ids, topk_weights, act)
-        return grouped_moe(x, w13, w2, topk_ids, topk_weights, act)
+        return grouped_moe(x, w13, w2, topk_ids, topk_weights, act, self.packed,
+                           self.packed_rows)

@@ -42,9 +42,12 @@ def pack_for_cpu(model: nn.Module, rows_hint: int, kernels: NativeKernels | None
     A tied head gets its own packed copy; the embedding stays."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     heads = [m for m in model.modules() if isinstance(m, TiedHead)]
-    keep = keeps_both_copies(sum(m.weight.nbytes for m in linears))
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    expert_weights = [w for m in experts for w in m.weights()]
+    keep = keeps_both_copies(sum(m.weight.nbytes for m in linears)
+                             + sum(w.nbytes for w in expert_weights))
     # Our kernels' copies side by side in huge pages: a decode step streams them all.
-    weights = [m.weight for m in linears] + [h.weight for h in heads]
+    weights = [m.weight for m in linears] + [h.weight for h in heads] + expert_weights
     sizes = [(w.numel(), torch.bfloat16) for w in weights
              if kernels is not None and kernels.packs(w)]
     slab = Slab(sizes) if sizes else None
@@ -52,3 +55,5 @@ def pack_for_cpu(model: nn.Module, rows_hint: int, kernels: NativeKernels | None
         module.pack_for_cpu(rows_hint, keep_plain=keep, kernels=kernels, slab=slab)
     for head in heads:
         head.packed = pack_weight(head.weight, rows_hint, kernels, slab)
+    for block in experts:
+        block.pack_for_cpu(rows_hint, keep_plain=keep, kernels=kernels, slab=slab)
