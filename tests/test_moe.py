@@ -17,7 +17,7 @@ import torch
 
 from asyncinfer.api import LLM
 from asyncinfer.core import Batch
-from asyncinfer.errors import UnsupportedModelError
+from asyncinfer.errors import ConfigError, UnsupportedModelError
 from asyncinfer.layers import fused_moe
 from asyncinfer.layers.fused import silu_mul
 from asyncinfer.layers.linear import can_pack
@@ -224,3 +224,14 @@ def test_the_cpu_moe_benchmark_shape_runs_on_dummy_weights(tmp_path: Path) -> No
     finally:
         llm.close()
 
+
+def test_an_expert_width_the_ranks_do_not_divide_is_refused_before_they_start(
+        qwen3_moe_dir: Path, tmp_path: Path) -> None:
+    """Heads and the dense width split over 2; the experts' width of 33 does not."""
+    import multiprocessing
+
+    model_dir = _edited(qwen3_moe_dir, tmp_path / "model", moe_intermediate_size=33)
+    with pytest.raises(ConfigError, match="does not divide the model's MLP width"):
+        LLM(str(model_dir), skip_tokenizer_init=True, dtype="float32", num_pages=64,
+            tensor_parallel_size=2)
+    assert not multiprocessing.active_children()
