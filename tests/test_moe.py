@@ -88,6 +88,21 @@ def test_moe_greedy_matches_transformers(model: str, options: dict[str, Any],
     assert generate_ids(model_dir, prompts, **options) == expected
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+async def test_moe_through_the_async_engine_matches_transformers(
+        qwen3_moe_dir: Path, overlap: bool) -> None:
+    """Concurrent requests through AsyncEngine, with and without overlap."""
+    import asyncio
+
+    from asyncinfer.api import AsyncEngine
+
+    prompts, expected = reference(qwen3_moe_dir)
+    async with AsyncEngine(str(qwen3_moe_dir), skip_tokenizer_init=True, dtype="float32",
+                           max_seq_len=256, max_extend_tokens=32, overlap=overlap) as engine:
+        outputs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+    assert [o.token_ids for o in outputs] == expected
+
+
 @pytest.mark.parametrize("model", ["qwen3_moe_dir", "mixtral_dir"])
 def test_moe_at_two_ranks_matches_transformers(model: str,
                                                request: pytest.FixtureRequest) -> None:
