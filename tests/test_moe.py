@@ -88,6 +88,21 @@ def test_moe_greedy_matches_transformers(model: str, options: dict[str, Any],
     assert generate_ids(model_dir, prompts, **options) == expected
 
 
+@pytest.mark.parametrize("model", ["qwen3_moe_step_dir", "mixtral_dir"])
+def test_moe_with_compiled_layer_ops_matches_transformers(
+        model: str, request: pytest.FixtureRequest) -> None:
+    """The layer ops compiled as on CUDA (warmed up at the first layer's width, dense or
+    experts'): transformers' tokens."""
+    from tests.test_fused import _llm
+
+    model_dir = request.getfixturevalue(model)
+    prompts, expected = reference(model_dir)
+    llm = _llm(model_dir, compile_ops=True)
+    assert llm.runner.model.ops.compiled
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 async def test_moe_through_the_async_engine_matches_transformers(
         qwen3_moe_dir: Path, overlap: bool) -> None:
