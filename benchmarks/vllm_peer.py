@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", default="cpu", choices=["cpu"])
     p.add_argument("--json", dest="json_out", default=None, help="write result here")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--load-format", default="auto",
+                   help="dummy: random weights of the model dir's config (no tokenizer)")
     p.add_argument(
         "--num-prompts",
         type=int,
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
         seed=0,
+        load_format=args.load_format,
+        skip_tokenizer_init=args.load_format == "dummy",
     )
     load_s = time.perf_counter() - t0
 

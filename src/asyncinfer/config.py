@@ -83,6 +83,12 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     num_experts: int = 0
     experts_field: str = ""
+    experts_per_token: int = 0          # num_experts_per_tok: the top-k of the router
+    norm_topk_prob: bool = False        # renormalise the top-k routing weights to sum to 1
+    moe_intermediate_size: int = 0      # an expert's width (0: intermediate_size)
+    decoder_sparse_step: int = 1        # every this many layers is a mixture of experts
+    mlp_only_layers: tuple[int, ...] = ()  # layers with a dense MLP whatever the step
+    shared_expert_intermediate_size: int = 0
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
 
@@ -93,7 +99,8 @@ class ModelConfig:
             return self
         return evolve(self, num_heads=self.num_heads // ranks,
                       num_kv_heads=self.num_kv_heads // ranks,
-                      intermediate_size=self.intermediate_size // ranks)
+                      intermediate_size=self.intermediate_size // ranks,
+                      moe_intermediate_size=self.moe_intermediate_size // ranks)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -130,6 +137,13 @@ class ModelConfig:
                                         or rope.get("partial_rotary_factor") or 1.0),
             num_experts=num_experts,
             experts_field=experts_field if num_experts else "",
+            experts_per_token=int(getattr(hf, "num_experts_per_tok", 0) or 0),
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", 0) or 0),
+            decoder_sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
+            mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()),
+            shared_expert_intermediate_size=int(
+                getattr(hf, "shared_expert_intermediate_size", 0) or 0),
             final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
             attn_logit_softcapping=getattr(hf, "attn_logit_softcapping", None),
         )

@@ -89,6 +89,9 @@ def _check_split(ranks: int, shape: Mapping[str, Any]) -> None:
     from asyncinfer.distributed.parallel import TensorParallel
 
     heads, width = shape.get("num_attention_heads"), shape.get("intermediate_size")
+    experts_width = shape.get("moe_intermediate_size")
+    if isinstance(width, int) and isinstance(experts_width, int):
+        width = math.gcd(width, experts_width)  # dense and expert widths alike split
     kv_heads = shape.get("num_key_value_heads") or heads
     if not (isinstance(heads, int) and isinstance(kv_heads, int) and isinstance(width, int)
             and min(heads, kv_heads, width) > 0):

@@ -28,11 +28,32 @@ _QWEN3_0_6B: dict[str, Any] = {
     "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
     "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
     "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"}
+_QWEN3_30B_A3B: dict[str, Any] = {
+    **_QWEN3_0_6B, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": _QWEN3_0_6B,
     "qwen3-8b": {**_QWEN3_0_6B, "hidden_size": 4096, "intermediate_size": 12288,
                  "num_hidden_layers": 36, "num_attention_heads": 32,
                  "tie_word_embeddings": False},
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    # The CPU MoE workload's model: 8 layers of 16 experts (top 4) of width 256 over 512,
+    # 32k vocabulary: 89M weights, 50M of them experts, 13M of those used per token.
+    "qwen3-moe-tiny": {**_QWEN3_30B_A3B, "vocab_size": 32000, "hidden_size": 512,
+                       "intermediate_size": 1024, "moe_intermediate_size": 256,
+                       "num_hidden_layers": 8, "num_attention_heads": 8,
+                       "num_key_value_heads": 4, "head_dim": 64, "num_experts": 16,
+                       "num_experts_per_tok": 4, "bos_token_id": 0, "eos_token_id": 1},
+    "mistral-7b": {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32000,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "sliding_window": 4096, "tie_word_embeddings": False, "hidden_act": "silu",
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"},
 }
 
 # Per workload: (requests, prompt lengths, output lengths), temperature, engine defaults.

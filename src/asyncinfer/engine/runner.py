@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -84,7 +85,9 @@ class ModelRunner:
         full = self.model_config
         self.context_len = config.context_len(full)
         check_model(full, self.context_len)
-        self.tp.check(full.num_heads, full.num_kv_heads, full.intermediate_size)
+        # Dense and expert widths alike split over the ranks.
+        self.tp.check(full.num_heads, full.num_kv_heads,
+                      math.gcd(full.intermediate_size, full.moe_intermediate_size))
         self.shard_config = full.sharded(self.tp.size)
         kernels = (load_cpu_kernels() if self.device.type == "cpu" and config.cpu_kernels
                    else None)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from asyncinfer.layers.fused_moe import Experts
 from asyncinfer.layers.linear import Linear, TiedHead, keeps_both_copies, pack_weight
 from asyncinfer.memory import Slab
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 def use_fp32_shadows(model: nn.Module) -> None:
     """Run every matrix product of ``model`` in float32 over a copy of its weights."""
     for module in model.modules():
-        if isinstance(module, Linear | TiedHead):
+        if isinstance(module, Linear | TiedHead | Experts):
             module.use_fp32_shadow()
 
 
@@ -30,6 +31,8 @@ def weight_bytes(model: nn.Module) -> int:
             total += sum(t.nbytes for t in shadow if t is not None)
         elif isinstance(module, TiedHead) and shadow is not None:
             total += shadow.nbytes
+        elif isinstance(module, Experts) and shadow is not None:
+            total += sum(t.nbytes for t in shadow)
     return total
 
 
@@ -39,9 +42,12 @@ def pack_for_cpu(model: nn.Module, rows_hint: int, kernels: NativeKernels | None
     A tied head gets its own packed copy; the embedding stays."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     heads = [m for m in model.modules() if isinstance(m, TiedHead)]
-    keep = keeps_both_copies(sum(m.weight.nbytes for m in linears))
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    expert_weights = [w for m in experts for w in m.weights()]
+    keep = keeps_both_copies(sum(m.weight.nbytes for m in linears)
+                             + sum(w.nbytes for w in expert_weights))
     # Our kernels' copies side by side in huge pages: a decode step streams them all.
-    weights = [m.weight for m in linears] + [h.weight for h in heads]
+    weights = [m.weight for m in linears] + [h.weight for h in heads] + expert_weights
     sizes = [(w.numel(), torch.bfloat16) for w in weights
              if kernels is not None and kernels.packs(w)]
     slab = Slab(sizes) if sizes else None
@@ -49,3 +55,5 @@ def pack_for_cpu(model: nn.Module, rows_hint: int, kernels: NativeKernels | None
         module.pack_for_cpu(rows_hint, keep_plain=keep, kernels=kernels, slab=slab)
     for head in heads:
         head.packed = pack_weight(head.weight, rows_hint, kernels, slab)
+    for block in experts:
+        block.pack_for_cpu(rows_hint, keep_plain=keep, kernels=kernels, slab=slab)

@@ -4,6 +4,7 @@ around them. A family is a ``DecoderModel`` subclass with its ``LayerSpec``."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar, cast
 
 import torch
 from attrs import frozen
@@ -59,7 +60,7 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.intermediate = tp, cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
@@ -72,10 +73,10 @@ class DecoderLayer(nn.Module):
     (output, stream before the add), so each add fuses with the next norm."""
 
     def __init__(self, cfg: ModelConfig, layer: int, spec: LayerSpec,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, spec, tp)
-        self.mlp = GatedMLP(cfg, tp)
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -94,7 +95,7 @@ class DecoderLayer(nn.Module):
     def warm_up_args(self) -> WarmUpArgs:
         attn, norm = self.self_attn, self.input_layernorm
         return WarmUpArgs(
-            hidden=norm.weight.shape[0], intermediate=self.mlp.down_proj.weight.shape[1],
+            hidden=norm.weight.shape[0], intermediate=cast(int, self.mlp.intermediate),
             heads=attn.heads, kv_heads=attn.kv_heads, head_dim=attn.head_dim,
             qk_eps=attn.eps, norm_weight=norm.weight, norm_eps=norm.eps,
             q_norm_weight=None if attn.q_norm is None else attn.q_norm.weight,
@@ -113,6 +114,8 @@ _STACKED = {
 
 class DecoderModel(nn.Module):
     """A ``CausalLM`` of DecoderLayers; ``cfg`` is this rank's shape under ``tp``."""
+
+    implements_experts: ClassVar[bool] = False  # a mixture-of-experts family (models.moe)
 
     @classmethod
     def layer_spec(cls, cfg: ModelConfig) -> LayerSpec:
@@ -135,8 +138,11 @@ class DecoderModel(nn.Module):
             found.append(f"rope_type={cfg.rope_type!r} (implemented: {', '.join(ROPE_TYPES)})")
         if cfg.partial_rotary_factor != 1.0:
             found.append(f"partial_rotary_factor={cfg.partial_rotary_factor}")
-        if cfg.num_experts:
+        if cfg.num_experts and not cls.implements_experts:
             found.append(f"{cfg.experts_field}={cfg.num_experts} (mixture of experts)")
+        if cfg.shared_expert_intermediate_size:
+            found.append(f"shared_expert_intermediate_size="
+                         f"{cfg.shared_expert_intermediate_size} (shared experts)")
         for name in ("final_logit_softcapping", "attn_logit_softcapping"):
             if getattr(cfg, name) is not None:
                 found.append(f"{name}={getattr(cfg, name)}")
@@ -152,13 +158,19 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
         spec = self.layer_spec(cfg)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, spec, self.tp) for i in range(cfg.num_layers))
+            DecoderLayer(cfg, i, spec, self.tp, self.build_mlp(cfg, i))
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head: Linear | TiedHead = (TiedHead(self.embed_tokens)
                                            if cfg.tie_word_embeddings
                                            else Linear(cfg.hidden_size, rows))
         self.op_names = OpNames(activation=cfg.hidden_act, norm="rms")
         self.ops = LayerOps(self.op_names)
+
+    def build_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """Layer ``layer``'s MLP: ``mlp(x, ops)``, all-reduced under tp, with an
+        ``intermediate`` width (a family of experts returns its block on its layers)."""
+        return GatedMLP(cfg, self.tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionContext) -> torch.Tensor:

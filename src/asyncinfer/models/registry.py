@@ -11,13 +11,17 @@ from asyncinfer.layers.rotary import RotaryEmbedding
 from asyncinfer.models.base import CausalLM
 from asyncinfer.models.blocks import DecoderModel
 from asyncinfer.models.llama import LlamaForCausalLM
+from asyncinfer.models.mixtral import MixtralForCausalLM
 from asyncinfer.models.qwen2 import Qwen2ForCausalLM
 from asyncinfer.models.qwen3 import Qwen3ForCausalLM
+from asyncinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: Mapping[str, type[DecoderModel]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
