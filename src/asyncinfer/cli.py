@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import logging
+import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.logs import configure_logging
@@ -190,5 +192,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def console() -> NoReturn:
+    """The console script: ``main``, then exit without the interpreter's teardown, which
+    takes a second or more once torch is loaded; everything is closed and flushed by then."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()
