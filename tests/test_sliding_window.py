@@ -102,6 +102,20 @@ def test_prefix_cache_hits_past_the_window_match_transformers(mistral_dir: Path)
     assert all(o.cached_tokens >= len(p) - 4 for o, p in zip(again, prompts))
 
 
+async def test_async_engine_with_overlap_matches_transformers(mistral_dir: Path) -> None:
+    """Concurrent requests through AsyncEngine, the next batch scheduled while one runs."""
+    import asyncio
+
+    from asyncinfer.api import AsyncEngine
+
+    prompts = window_prompts()
+    async with AsyncEngine(str(mistral_dir), skip_tokenizer_init=True, dtype="float32",
+                           page_size=4, max_running_requests=16, max_seq_len=256,
+                           max_extend_tokens=64, overlap=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+    assert [o.token_ids for o in outs] == expected(mistral_dir, prompts)
+
+
 def test_a_null_window_runs_as_plain_attention(tmp_path: Path) -> None:
     model_dir = _tiny_mistral(tmp_path / "full", window=None)
     prompts = window_prompts(seed=4)[:4]
