@@ -11,7 +11,9 @@ from asyncinfer.layers.rotary import RotaryEmbedding
 from asyncinfer.models.base import CausalLM
 from asyncinfer.models.blocks import DecoderModel
 from asyncinfer.models.llama import LlamaForCausalLM
+from asyncinfer.models.mistral import MistralForCausalLM
 from asyncinfer.models.mixtral import MixtralForCausalLM
+from asyncinfer.models.phi3 import Phi3ForCausalLM
 from asyncinfer.models.qwen2 import Qwen2ForCausalLM
 from asyncinfer.models.qwen3 import Qwen3ForCausalLM
 from asyncinfer.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -19,6 +21,8 @@ from asyncinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_REGISTRY: Mapping[str, type[DecoderModel]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
