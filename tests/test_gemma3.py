@@ -114,3 +114,10 @@ def test_a_gemma3_field_that_is_not_implemented_is_refused_by_name(
     with pytest.raises(UnsupportedModelError, match=re.escape(named)):
         LLM(str(model_dir), skip_tokenizer_init=True, dtype="float32", num_pages=64,
             max_seq_len=256)
+
+
+def test_gemma3_on_two_ranks_matches_transformers(tiny_gemma3_dir: Path) -> None:
+    """``--tp 2`` on CPU (gloo): heads, KV heads, MLP and vocabulary split; the replicated
+    (1 + w) and q/k norms and the embedding scale give transformers' tokens."""
+    prompts, expected = reference(tiny_gemma3_dir)
+    assert generate_ids(tiny_gemma3_dir, prompts, tensor_parallel_size=2) == expected
