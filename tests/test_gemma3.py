@@ -124,3 +124,24 @@ def test_gemma3_on_two_ranks_matches_transformers(tiny_gemma3_dir: Path) -> None
     (1 + w) and q/k norms and the embedding scale give transformers' tokens."""
     prompts, expected = reference(tiny_gemma3_dir)
     assert generate_ids(tiny_gemma3_dir, prompts, tensor_parallel_size=2) == expected
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_gemma3_through_the_flashinfer_host_path_matches_transformers(
+        tiny_gemma3_dir: Path, monkeypatch: pytest.MonkeyPatch, cuda_graph: bool) -> None:
+    """The flashinfer backend's host side on a CPU (kernels stood in for), decode and
+    prefill through padded graphs: flashinfer gets query_pre_attn_scalar's scale."""
+    import tests.fake_flashinfer as fake_flashinfer
+    from asyncinfer.attention.flashinfer_backend import FlashInferBackend
+
+    monkeypatch.setattr("asyncinfer.attention.flashinfer_backend.load_flashinfer",
+                        lambda device: fake_flashinfer)
+    prompts, expected = reference(tiny_gemma3_dir)
+    llm = LLM(str(tiny_gemma3_dir), skip_tokenizer_init=True, dtype="float32",
+              max_seq_len=256, num_pages=600, attention_backend="flashinfer",
+              cuda_graph=cuda_graph, max_running_requests=5, cuda_graph_max_bs=6)
+    assert isinstance(llm.runner.backend, FlashInferBackend)
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == expected
+    if llm.runner.graphs is not None:
+        assert sum(g.replays for g in llm.runner.graphs.decode) > 0
