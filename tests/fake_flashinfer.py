@@ -1,11 +1,12 @@
 """A CPU stand-in for flashinfer's two paged-attention wrappers, written from their documented
 contract: int32 ``indptr``/``indices``/``last_page_len``, NHD pages, causal queries aligned to
-the end of each request's KV, and (CUDA-graph mode) plans copied into the caller's buffers and
-read back at run time, with flashinfer's graph-mode rules for prefill (prefill.py, ``plan``
-and ``run``): a fixed batch size, no more query rows than the first plan had, queries exactly
-``qo_indptr[-1]``. Requests with no query row are allowed (a graph's padding). It lets the
-runner's flashinfer path (metadata, padding, graph buffers) run in the CPU suite; the real
-kernels are checked on the GPU (tests/gpu).
+the end of each request's KV, a sliding window by ``window_left`` (a query at position p
+sees keys p - window_left .. p; -1: all), and (CUDA-graph mode) plans copied into the
+caller's buffers and read back at run time, with flashinfer's graph-mode rules for prefill
+(prefill.py, ``plan`` and ``run``): a fixed batch size, no more query rows than the first
+plan had, queries exactly ``qo_indptr[-1]``. Requests with no query row are allowed (a
+graph's padding). It lets the runner's flashinfer path (metadata, padding, graph buffers)
+run in the CPU suite; the real kernels are checked on the GPU (tests/gpu).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class _PagedWrapper:
         self.qo_indptr_buf: torch.Tensor | None = None
         self.planned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.plans = 0
+        self.window_left = -1   # as the last plan set it
 
     def _store(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
                page_size: int) -> None:
@@ -79,8 +81,12 @@ class _PagedWrapper:
             group = q.shape[1] // keys.shape[1]
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
-            # Query j sits at position kv_len - n + j and sees keys up to it.
-            mask = torch.ones(n, kv_len, dtype=torch.bool).tril(diagonal=kv_len - n)
+            # Query j sits at position kv_len - n + j and sees keys up to it (with a window,
+            # from window_left before it).
+            ones = torch.ones(n, kv_len, dtype=torch.bool)
+            mask = ones.tril(diagonal=kv_len - n)
+            if self.window_left >= 0:
+                mask &= ~ones.tril(diagonal=kv_len - n - self.window_left - 1)
             res = F.scaled_dot_product_attention(
                 qr.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                 attn_mask=mask, scale=self.sm_scale)
@@ -93,6 +99,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
              **options: Any) -> None:
         self.sm_scale = options.get("sm_scale") or head_dim**-0.5
+        self.window_left = int(options.get("window_left", -1))
         self._store(indptr, indices, last_page_len, page_size)
         _check_lengths(options.get("seq_lens"), indptr, last_page_len, page_size)
 
@@ -133,6 +140,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         assert options.get("causal") is True
         assert qo_indptr.dtype == torch.int32
         self.sm_scale = options.get("sm_scale") or head_dim_qk**-0.5
+        self.window_left = int(options.get("window_left", -1))
         self.qo_indptr = qo_indptr.clone()
         if self.graph:  # flashinfer's graph-mode rules (prefill.py, plan)
             assert self.qo_indptr_buf is not None

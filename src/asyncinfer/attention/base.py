@@ -40,6 +40,20 @@ class AttentionSpec:
     device: torch.device
     pad_page: int | None          # page that takes padding rows' K, V (capturable backends)
     native: bool = False          # CPU: use the compiled kernels (kernels.cpu) if they build
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full attention)
+
+    def planned_windows(self) -> tuple[int | None, ...]:
+        """The distinct windows a plan serves: the layers' own (no layers named: full
+        attention only), full attention first."""
+        found = {full_if_wider(w, self.page_table.shape[1]) for w in self.windows} or {None}
+        return tuple(sorted(found, key=lambda w: -1 if w is None else w))
+
+
+def full_if_wider(window: int | None, positions: int) -> int | None:
+    """``window``, or None where it spans all ``positions`` a request can reach. A query at
+    position p attends keys p - window + 1 .. p (transformers' sliding window; flashinfer's
+    ``window_left`` is window - 1). See docs/architecture.md, 'Sliding windows'."""
+    return None if window is None or window >= positions else window
 
 
 class AttentionBackend(Protocol):
@@ -54,8 +68,10 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: Any) -> torch.Tensor:
-        """Attend: q [T, heads, dim] -> [T, heads * dim]; k, v are in the pool already."""
+                meta: Any, window: int | None = None) -> torch.Tensor:
+        """Attend: q [T, heads, dim] -> [T, heads * dim]; k, v are in the pool already;
+        ``window``: the layer's sliding window (None: every earlier key), one the spec's
+        ``windows`` named."""
         ...
 
     def init_graph_state(self, shapes: Sequence[GraphShape]) -> None:
@@ -99,6 +115,6 @@ class AttentionContext:
         pool = self.backend.pool
         return pool.k[layer], pool.v[layer], self.meta.out_loc
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> torch.Tensor:
-        return self.backend.forward(layer, q, k, v, self.meta)
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 window: int | None = None) -> torch.Tensor:
+        return self.backend.forward(layer, q, k, v, self.meta, window)

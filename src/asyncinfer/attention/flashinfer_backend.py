@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from attrs import frozen
 
-from asyncinfer.attention.base import AttentionSpec, GraphShape
+from asyncinfer.attention.base import AttentionSpec, GraphShape, full_if_wider
 from asyncinfer.attention.host_to_device import pin, upload
 from asyncinfer.core import Batch
 from asyncinfer.errors import ConfigError
@@ -94,11 +94,23 @@ def host_lengths(tensor: torch.Tensor) -> HostLengths:
 
 @frozen
 class FlashInferMetadata:
-    """What every layer of one forward needs: the planned wrapper, each token's KV slot."""
+    """What every layer of one forward needs: a wrapper planned for each sliding window the
+    layers use (None: full attention), each token's KV slot."""
 
-    wrapper: Any
+    wrappers: dict[int | None, Any]
     out_loc: torch.Tensor               # [T] on the device
     graph: GraphShape | None = None
+
+    @property
+    def wrapper(self) -> Any:
+        """The first window's wrapper (all of them plan the same layout)."""
+        return next(iter(self.wrappers.values()))
+
+
+def window_left(window: int | None) -> int:
+    """flashinfer's ``window_left`` for a window of ``window`` keys: keys p - window_left
+    .. p are seen (-1: all)."""
+    return -1 if window is None else window - 1
 
 
 @frozen
@@ -125,13 +137,17 @@ class FlashInferBackend:
         self.pad_page = spec.pad_page
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
         self.head_dim, self.scale = spec.head_dim, spec.scale
+        self.windows, self.positions = spec.planned_windows(), spec.page_table.shape[1]
         self.decode_tensor_cores = _decode_tensor_cores(self.num_heads // self.num_kv_heads,
                                                         self.device)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa2")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        # One wrapper per window: a plan fixes its window_left. Runs are in stream order,
+        # so the wrappers share the float workspace.
+        self.prefill = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2") for w in self.windows}
+        self.decode = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
+            for w in self.windows}
         self._plan_events: dict[int, torch.cuda.Event] = {}
         pool = spec.pool
         shape = (pool.num_pages, pool.page_size, self.num_kv_heads, self.head_dim)
@@ -154,15 +170,20 @@ class FlashInferBackend:
         layout = self._staged(paged_layout(self.page_table, batch.rows, batch.ends,
                                            self.page_size))
         if batch.phase == "decode":
-            self._plan_decode(self.decode, layout)
+            for window, wrapper in self.decode.items():
+                self._plan_decode(wrapper, layout, window)
             return FlashInferMetadata(self.decode, out_loc)
-        self._plan_prefill(self.prefill, np.asarray(batch.extend_lens, np.int64), layout)
+        qo_lens = np.asarray(batch.extend_lens, np.int64)
+        for window, wrapper in self.prefill.items():
+            self._plan_prefill(wrapper, qo_lens, layout, window)
         return FlashInferMetadata(self.prefill, out_loc)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: FlashInferMetadata) -> torch.Tensor:
-        """Attend over each request's pages (the new K, V are already in them)."""
-        out = meta.wrapper.run(q.contiguous(), self._pages[layer])
+                meta: FlashInferMetadata, window: int | None = None) -> torch.Tensor:
+        """Attend over each request's pages (the new K, V are already in them), through
+        the wrapper planned with this layer's window."""
+        wrapper = meta.wrappers[full_if_wider(window, self.positions)]
+        out = wrapper.run(q.contiguous(), self._pages[layer])
         return out.view(q.shape[0], -1)
 
     def init_graph_state(self, shapes: Sequence[GraphShape]) -> None:
@@ -189,22 +210,24 @@ class FlashInferBackend:
         """A graph-mode wrapper for ``shape`` on the shared layout buffers."""
         buffers = self._graph_buffers
         assert buffers is not None, "init_graph_state first"
+        return FlashInferMetadata({w: self._graph_wrapper(shape, buffers) for w in self.windows},
+                                  out_loc, shape)
+
+    def _graph_wrapper(self, shape: GraphShape, buffers: GraphBuffers) -> Any:
         if shape.phase == "decode":
-            wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            return self.fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True,
                 use_tensor_cores=self.decode_tensor_cores,
                 paged_kv_indptr_buffer=buffers.indptr[: shape.rows + 1],
                 paged_kv_indices_buffer=buffers.indices,
                 paged_kv_last_page_len_buffer=buffers.last_page_len[: shape.rows])
-        else:
-            wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
-                self._graph_workspace, "NHD", use_cuda_graph=True,
-                qo_indptr_buf=buffers.qo_indptr[: shape.rows + 1],
-                paged_kv_indptr_buf=buffers.indptr[: shape.rows + 1],
-                paged_kv_indices_buf=buffers.indices,
-                paged_kv_last_page_len_buf=buffers.last_page_len[: shape.rows],
-                backend="fa2")
-        return FlashInferMetadata(wrapper, out_loc, shape)
+        return self.fi.BatchPrefillWithPagedKVCacheWrapper(
+            self._graph_workspace, "NHD", use_cuda_graph=True,
+            qo_indptr_buf=buffers.qo_indptr[: shape.rows + 1],
+            paged_kv_indptr_buf=buffers.indptr[: shape.rows + 1],
+            paged_kv_indices_buf=buffers.indices,
+            paged_kv_last_page_len_buf=buffers.last_page_len[: shape.rows],
+            backend="fa2")
 
     def prepare_replay(self, meta: FlashInferMetadata, rows: Sequence[int],
                        starts: Sequence[int], ends: Sequence[int]) -> None:
@@ -213,36 +236,43 @@ class FlashInferBackend:
         assert shape is not None and self.pad_page is not None
         spare = shape.rows - len(rows)
         if shape.phase == "decode":
-            self._plan_decode(meta.wrapper, self._staged(paged_layout(
+            layout = self._staged(paged_layout(
                 self.page_table, rows, ends, self.page_size, pad_lens=[1] * spare,
-                pad_page=self.pad_page)))
+                pad_page=self.pad_page))
+            for window, wrapper in meta.wrappers.items():
+                self._plan_decode(wrapper, layout, window)
             return
         extend = np.subtract(ends, starts, dtype=np.int64)
         padding = shape.tokens - int(extend.sum())
         qo_lens = np.concatenate([extend, np.zeros(spare - 1, np.int64), [padding]])
-        self._plan_prefill(meta.wrapper, qo_lens, self._staged(paged_layout(
+        layout = self._staged(paged_layout(
             self.page_table, rows, ends, self.page_size,
-            pad_lens=[1] * (spare - 1) + [max(padding, 1)], pad_page=self.pad_page)))
+            pad_lens=[1] * (spare - 1) + [max(padding, 1)], pad_page=self.pad_page))
+        for window, wrapper in meta.wrappers.items():
+            self._plan_prefill(wrapper, qo_lens, layout, window)
 
     def _staged(self, layout: PagedLayout) -> PagedLayout:
         return PagedLayout(pin(layout.indptr, self.device), upload(layout.indices, self.device),
                            pin(layout.last_page_len, self.device),
                            pin(layout.seq_lens, self.device))
 
-    def _plan_prefill(self, wrapper: Any, qo_lens: np.ndarray, layout: PagedLayout) -> None:
+    def _plan_prefill(self, wrapper: Any, qo_lens: np.ndarray, layout: PagedLayout,
+                      window: int | None) -> None:
         qo_indptr = np.zeros(len(qo_lens) + 1, np.int32)
         np.cumsum(qo_lens, out=qo_indptr[1:])
         offsets = pin(torch.from_numpy(qo_indptr), self.device)
         self._plan(wrapper, lambda: wrapper.plan(
             host_lengths(offsets), layout.indptr, layout.indices, layout.last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            causal=True, sm_scale=self.scale, q_data_type=self.dtype,
+            causal=True, window_left=window_left(window), sm_scale=self.scale,
+            q_data_type=self.dtype,
             kv_data_type=self.dtype, seq_lens=host_lengths(layout.seq_lens)))
 
-    def _plan_decode(self, wrapper: Any, layout: PagedLayout) -> None:
+    def _plan_decode(self, wrapper: Any, layout: PagedLayout, window: int | None) -> None:
         self._plan(wrapper, lambda: wrapper.plan(
             layout.indptr, layout.indices, layout.last_page_len, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.page_size, q_data_type=self.dtype,
+            self.num_kv_heads, self.head_dim, self.page_size,
+            window_left=window_left(window), q_data_type=self.dtype,
             kv_data_type=self.dtype, sm_scale=self.scale,
             seq_lens=host_lengths(layout.seq_lens)))
 

@@ -12,7 +12,7 @@ import torch
 from attrs import define
 from torch.nn import functional as F
 
-from asyncinfer.attention.base import AttentionSpec, GraphShape
+from asyncinfer.attention.base import AttentionSpec, GraphShape, full_if_wider
 from asyncinfer.attention.host_to_device import upload
 from asyncinfer.core import Batch
 from asyncinfer.errors import ConfigError
@@ -60,7 +60,7 @@ class DecodeGroup:
 
     index: torch.Tensor | None            # their rows in the batch (None: the whole batch)
     pages: torch.Tensor                   # [n * P] their pages, padded to the longest
-    mask: torch.Tensor                    # [n, 1, 1, P * page_size] key j valid for request i
+    masks: dict[int | None, torch.Tensor]  # window -> [n, 1, 1, P * page_size]: key j seen
 
 
 class TorchBackend:
@@ -76,6 +76,8 @@ class TorchBackend:
         self.scale = spec.scale
         self.device = spec.device
         self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
+        self.positions = spec.page_table.shape[1]
+        self.windows = spec.planned_windows()
         self.native = None
         self.native_prefill = False
         if spec.native and spec.device.type == "cpu":
@@ -142,8 +144,11 @@ class TorchBackend:
         # Whole pages are gathered: one long copy each instead of one per token.
         pages = upload(self.page_table[torch.tensor(rows), :width:size] // size, self.device)
         lengths = upload(torch.tensor(ends), self.device)
-        mask = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
-        return DecodeGroup(index, pages.flatten(), mask[:, None, None])
+        keys = torch.arange(width, device=self.device)[None, :]
+        masks = {w: ((keys < lengths[:, None]) if w is None else
+                     (keys < lengths[:, None]) & (keys >= lengths[:, None] - w))[:, None, None]
+                 for w in self.windows}
+        return DecodeGroup(index, pages.flatten(), masks)
 
     def init_graph_state(self, shapes: Sequence[GraphShape]) -> None:
         raise ConfigError(_NOT_CAPTURABLE)
@@ -157,36 +162,39 @@ class TorchBackend:
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        meta: TorchMetadata,
+        meta: TorchMetadata, window: int | None = None,
     ) -> torch.Tensor:
-        """Attend causally over each request's whole prefix (k, v are already in the pool)."""
+        """Attend causally over each request's prefix, its last ``window`` keys where there is
+        one (k, v are already in the pool)."""
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
         out_dtype, dtype = q.dtype, k_pool.dtype
+        window = full_if_wider(window, self.positions)
         if meta.native is not None:
             assert self.native is not None
             out = self.native.decode_attention(
                 q, k_pool, v_pool, meta.native.table, meta.native.rows, meta.native.lens,
-                self.scale, meta.native.max_len)
+                self.scale, meta.native.max_len, window)
             return out.view(q.shape[0], -1).to(out_dtype)
         if meta.prefill is not None:
             assert self.native is not None
             p = meta.prefill
             out = self.native.prefill_attention(q.to(dtype), k_pool, v_pool, p.slots,
                                                 p.slot_at, p.q_at, p.starts, p.news,
-                                                self.scale)
+                                                self.scale, window)
             return out.view(q.shape[0], -1).to(out_dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if meta.decode_groups:
             out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
             for group in meta.decode_groups:
                 qg = q if group.index is None else q.index_select(0, group.index)
-                n, width = qg.shape[0], group.mask.shape[-1]
+                seen = group.masks[window]
+                n, width = qg.shape[0], seen.shape[-1]
                 shape = (n, width, *k_pool.shape[1:])
                 keys = _gather_pages(k_pool, group.pages, self.pool.page_size).view(shape)
                 values = _gather_pages(v_pool, group.pages, self.pool.page_size).view(shape)
                 res = F.scaled_dot_product_attention(
                     qg.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                    attn_mask=group.mask, scale=self.scale, enable_gqa=True).reshape(n, -1)
+                    attn_mask=seen, scale=self.scale, enable_gqa=True).reshape(n, -1)
                 if group.index is None:
                     out = res
                 else:
@@ -202,11 +210,16 @@ class TorchBackend:
             kr = kr.transpose(0, 1).unsqueeze(0)
             vr = vr.transpose(0, 1).unsqueeze(0)
             n, total = hi - lo, slots.numel()
-            # Query i sits at position start + i and sees keys 0 .. start + i.
-            mask = None if start == 0 else torch.ones(
-                n, total, dtype=torch.bool, device=q.device).tril(diagonal=start)
+            # Query i sits at position start + i and sees keys 0 .. start + i (with a
+            # window: those past start + i - window).
+            mask: torch.Tensor | None = None
+            if start > 0 or (window is not None and start + n > window):
+                ones = torch.ones(n, total, dtype=torch.bool, device=q.device)
+                mask = ones.tril(diagonal=start)
+                if window is not None:
+                    mask &= ~ones.tril(diagonal=start - window)
             out = F.scaled_dot_product_attention(
-                qr, kr, vr, attn_mask=mask, is_causal=start == 0 and n > 1,
+                qr, kr, vr, attn_mask=mask, is_causal=mask is None and n > 1,
                 scale=self.scale, enable_gqa=True)
             outs.append(out.squeeze(0).transpose(0, 1).reshape(n, -1))
         return (torch.cat(outs) if len(outs) > 1 else outs[0]).to(out_dtype)

@@ -113,7 +113,7 @@ class ModelRunner:
         self.backend = backend_cls(AttentionSpec(
             self.pool, self.page_table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.attention_scale, self.dtype, self.device, self.scratch_page,
-            native=config.cpu_kernels))
+            native=config.cpu_kernels, windows=self.model.windows))
         if kernels is not None and kernels.runs_layer_ops(self.dtype, cfg.hidden_size,
                                                           cfg.head_dim):
             self.model.ops = LayerOps(self.model.op_names, native=kernels)

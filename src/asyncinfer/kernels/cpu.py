@@ -42,13 +42,13 @@ FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trappin
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _F32,
-                _I64, _INT, _INT]
+                _I64, _I64, _INT, _INT]
 _GEMM_ARGS = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT]
 _NORM_ARGS = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _INT]
 _SILU_ARGS = [_PTR, _I64, _I64, _PTR, _INT]
 _ARGMAX_ARGS = [_PTR, _I64, _I64, _PTR, _INT]
 _PREFILL_ARGS = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
-                 _I64, _F32, _PTR, _INT]
+                 _I64, _F32, _I64, _PTR, _INT]
 _ROPE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
               _PTR, _PTR, _INT, _INT]
 
@@ -110,12 +110,14 @@ class NativeKernels:
 
     def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
-                         scale: float, max_len: int) -> torch.Tensor:
+                         scale: float, max_len: int, window: int | None = None
+                         ) -> torch.Tensor:
         """Each request's one query [batch, heads, dim] against keys 0 .. lens[i] of its
         row ``rows[i]`` of ``table`` (the KV slot of each position) in one layer's pools
         [slots, kv_heads, dim]: the attention output [batch, heads, dim], in bfloat16 for a
         bfloat16 ``q`` (computed in float32, rounded once), else in float32. ``max_len``
-        bounds ``lens``; every tensor is on the CPU and contiguous."""
+        bounds ``lens``; every tensor is on the CPU and contiguous. With a ``window`` only
+        the last ``window`` keys of each request are read."""
         if q.dtype != torch.bfloat16:
             q = q.to(torch.float32)
         q = q.contiguous()
@@ -127,7 +129,7 @@ class NativeKernels:
         self._decode[k_pool.dtype](
             q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(),
             table.shape[1], rows.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, heads,
-            kv_heads, dim, scale, max_len, int(q.dtype == torch.bfloat16),
+            kv_heads, dim, scale, max_len, window or 0, int(q.dtype == torch.bfloat16),
             torch.get_num_threads())
         return out
 
@@ -142,13 +144,14 @@ class NativeKernels:
     def prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                           slots: torch.Tensor, slot_at: torch.Tensor, q_at: torch.Tensor,
                           starts: torch.Tensor, news: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float, window: int | None = None) -> torch.Tensor:
         """Causal attention of each request's new tokens over its whole prefix: request
         ``r``'s queries are rows ``q_at[r] .. q_at[r] + news[r]`` of ``q`` [tokens, heads,
         dim] (bf16, rows may have a stride), at positions ``starts[r]`` on; its keys and
         values are at ``slots[slot_at[r] .. slot_at[r] + starts[r] + news[r]]`` of one
-        layer's pools [slots, kv_heads, dim] (bf16, holding the new tokens' too). The
-        output has q's shape, contiguous; rows of no request are left unwritten."""
+        layer's pools [slots, kv_heads, dim] (bf16, holding the new tokens' too); with a
+        ``window``, position p sees keys p - window + 1 .. p only. The output has q's
+        shape, contiguous; rows of no request are left unwritten."""
         tokens, heads, dim = q.shape
         kv_heads = k_pool.shape[1]
         assert self.runs_prefill(k_pool.dtype, heads, kv_heads, dim)
@@ -160,7 +163,7 @@ class NativeKernels:
         self._prefill(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
                       k_pool.shape[0], slots.data_ptr(), slot_at.data_ptr(), q_at.data_ptr(),
                       starts.data_ptr(), news.data_ptr(), starts.numel(), heads, kv_heads, dim,
-                      scale, out.data_ptr(), torch.get_num_threads())
+                      scale, window or 0, out.data_ptr(), torch.get_num_threads())
         return out
 
     # bfloat16 matrix products over packed weights (cpu_gemm.c says how).

@@ -15,6 +15,9 @@
  * vectors are GCC's generic 16-float vectors: one AVX-512 register, or two AVX2 ones. The
  * common head sizes (64, 128) get loops of a fixed length, which unroll into straight code.
  * Other head sizes take a plain loop per key.
+ *
+ * A sliding window (``window`` > 0) attends only the last ``window`` positions: the task
+ * starts its slots there, so the keys before it are never read.
  */
 #include <math.h>
 #include <stdint.h>
@@ -228,12 +231,13 @@ INLINE void *scratch(size_t bytes) {
 
 /* q [batch, heads, dim]; pools [slots, kv_heads, dim]; table [*, width] int64 slot of each
  * position; rows, lens [batch]; out [batch, heads, dim]. q and out are float32, or with
- * ``bf16_io`` bfloat16 (out rounded once from the float32 result, as a cast would). */
+ * ``bf16_io`` bfloat16 (out rounded once from the float32 result, as a cast would). Request
+ * b attends positions lens[b] - window .. lens[b] - 1 (from 0; window <= 0: all of them). */
 #define DECODE(NAME, KV_T, TASK_FN, BLOCKED_FN)                                              \
     void NAME(const void *q_in, const KV_T *k_pool, const KV_T *v_pool,                      \
               const int64_t *table, int64_t width, const int64_t *rows, const int64_t *lens, \
               void *out_v, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,      \
-              float scale, int64_t max_len, int bf16_io, int threads) {                      \
+              float scale, int64_t max_len, int64_t window, int bf16_io, int threads) {      \
         const int64_t group = heads / kv_heads, stride = kv_heads * dim, nc = dim / 16;      \
         const int blocked = dim % 16 == 0;                                                   \
         const int64_t padded = (max_len + BLOCK - 1) / BLOCK * BLOCK;                        \
@@ -248,7 +252,10 @@ INLINE void *scratch(size_t bytes) {
                 for (int64_t g = 0; g < kv_heads; g++) {                                     \
                     const int64_t at = (b * heads + g * group) * dim;                        \
                     const KV_T *k = k_pool + g * dim, *v = v_pool + g * dim;                 \
-                    const int64_t *slots = table + rows[b] * width;                          \
+                    const int64_t first =                                                    \
+                        window > 0 && lens[b] > window ? lens[b] - window : 0;               \
+                    const int64_t *slots = table + rows[b] * width + first;                  \
+                    const int64_t len = lens[b] - first;                                     \
                     const float f = blocked ? scale : 1.0f;                                  \
                     for (int64_t i = 0; i < group * dim; i++)                                \
                         qs[i] = (bf16_io ? from_bf16(((const bf16 *)q_in)[at + i])           \
@@ -256,16 +263,16 @@ INLINE void *scratch(size_t bytes) {
                     if (blocked) {                                                           \
                         const vf *qv = (const vf *)qs;                                       \
                         if (nc == 4)                                                         \
-                            BLOCKED_FN(qv, k, v, slots, lens[b], stride, group, 4, scores,   \
+                            BLOCKED_FN(qv, k, v, slots, len, stride, group, 4, scores,       \
                                        block, (vf *)acc, res);                               \
                         else if (nc == 8)                                                    \
-                            BLOCKED_FN(qv, k, v, slots, lens[b], stride, group, 8, scores,   \
+                            BLOCKED_FN(qv, k, v, slots, len, stride, group, 8, scores,       \
                                        block, (vf *)acc, res);                               \
                         else                                                                 \
-                            BLOCKED_FN(qv, k, v, slots, lens[b], stride, group, nc, scores,  \
+                            BLOCKED_FN(qv, k, v, slots, len, stride, group, nc, scores,      \
                                        block, (vf *)acc, res);                               \
                     } else {                                                                 \
-                        TASK_FN(qs, k, v, slots, lens[b], stride, group, dim, scale, scores, \
+                        TASK_FN(qs, k, v, slots, len, stride, group, dim, scale, scores,     \
                                 acc, res);                                                   \
                     }                                                                        \
                     if (bf16_io)                                                             \

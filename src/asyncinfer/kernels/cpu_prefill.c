@@ -22,6 +22,10 @@
  * and KV head into scratch, before the tasks (every query block reads it). The output is
  * O^T / sum, rounded once to bf16. Scores and sums are float32; exp is cpu_common.h's.
  *
+ * A sliding window (``window`` > 0: position p sees keys p - window + 1 .. p) masks the
+ * keys before it and starts both passes at the 64-key block that holds the block's first
+ * visible key, so a long prefix behind the window is neither scored nor transposed.
+ *
  * Head sizes that are a multiple of 32 up to 128 (the accumulators hold 64 dims: a head of
  * 128 takes the second pass twice). Built where the compiler targets AMX and AVX512-BF16;
  * elsewhere prefill_attention_bf16 does nothing and the caller keeps torch's SDPA.
@@ -72,15 +76,25 @@ INLINE const bf16 *pf_keys(const bf16 *k, const int64_t *slots, int64_t stride,
 }
 
 /* Scores of key row ``key`` scaled, with keys a position may not see at -inf: position
- * lane i (pos0 + i) sees keys up to pos0 + i; lanes past the block (i >= nq) see key 0. */
-INLINE __m512 pf_row(const float *s, int64_t key, int64_t pos0, int64_t nq, float scale) {
+ * lane i (pos0 + i) sees keys up to pos0 + i (with a window, from pos0 + i - window + 1);
+ * lanes past the block (i >= nq) see key ``first``, the first one scored. */
+INLINE __m512 pf_row(const float *s, int64_t key, int64_t pos0, int64_t nq, float scale,
+                     int64_t window, int64_t first) {
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i sees = _mm512_add_epi32(_mm512_set1_epi32((int)(pos0 - key)), lane);
     __mmask16 ok = _mm512_cmpge_epi32_mask(sees, _mm512_setzero_si512());
+    if (window > 0) ok &= _mm512_cmplt_epi32_mask(sees, _mm512_set1_epi32((int)window));
     const __mmask16 real = (__mmask16)((1u << nq) - 1u);
-    ok = (ok & real) | (key == 0 ? (__mmask16)~real : 0);
+    ok = (ok & real) | (key == first ? (__mmask16)~real : 0);
     return _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), ok, _mm512_loadu_ps(s),
                               _mm512_set1_ps(scale));
+}
+
+/* The first key a block from position ``pos0`` scores: 0, or with a window the start of
+ * the 64-key block (four score tiles) that holds pos0's first visible key. */
+INLINE int64_t pf_first(int64_t pos0, int64_t window) {
+    const int64_t lo = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+    return lo / (4 * KB) * (4 * KB);
 }
 
 /* Interleave two rows of 16 probabilities (keys 2r, 2r + 1) into one VNNI row of bf16. */
@@ -117,13 +131,13 @@ INLINE void pf_pair(__m512 even, __m512 odd, bf16 *row) {
 /* q [tokens, heads, dim] (row stride ``q_stride`` elements), out the same, contiguous;
  * pools [slots, kv_heads, dim]; for each of ``requests`` requests: its slots of positions
  * 0 .. starts + news at slots + slot_at[r], its new tokens at rows q_at[r] .. q_at[r] +
- * news[r] of q. */
+ * news[r] of q; ``window`` > 0: the sliding window. */
 void prefill_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_pool,
                             const bf16 *v_pool, int64_t pool_slots, const int64_t *slots,
                             const int64_t *slot_at, const int64_t *q_at, const int64_t *starts,
                             const int64_t *news, int64_t requests, int64_t heads,
-                            int64_t kv_heads, int64_t dim, float scale, bf16 *out,
-                            int threads) {
+                            int64_t kv_heads, int64_t dim, float scale, int64_t window,
+                            bf16 *out, int threads) {
     const int64_t group = heads / kv_heads, stride = kv_heads * dim;
     /* V^T of each request and KV head: [dim][keys padded to PB], zeros past the prefix. */
     int64_t *vt_at = malloc(sizeof(int64_t) * (size_t)(requests + 1));
@@ -147,7 +161,7 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_pool,
                 const int64_t end = starts[r] + news[r], padded = (end + PB - 1) / PB * PB;
                 bf16 *dst = vt + vt_at[r] + g * dim * padded;
                 const int64_t *sl = slots + slot_at[r];
-                for (int64_t j = 0; j < end; j++) {
+                for (int64_t j = pf_first(starts[r], window); j < end; j++) {
                     const bf16 *row = v_pool + sl[j] * stride + g * dim;
                     for (int64_t d = 0; d < dim; d++) dst[d * padded + j] = row[d];
                 }
@@ -181,6 +195,7 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_pool,
                     qt32[(u / 16) * 256 + (u % 16) * 16 + i] = i < nq ? row[u] : 0;
             }
             const bf16 *kh = k_pool + g * dim;
+            const int64_t first = pf_first(pos0, window);
             const int64_t *sl = slots + slot_at[r];
             /* Pass 1: the scores, scaled and masked, into sc [keys][16]; each position's
              * maximum. Four key blocks at a time in tiles 0-3 (free until pass 2), the keys
@@ -192,7 +207,7 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_pool,
                 _tile_loadd(6, qt, 64);
                 if (chunks == 2) _tile_loadd(7, qt + 512, 64);
             }
-            for (int64_t kb0 = 0; kb0 < end; kb0 += 4 * KB) {
+            for (int64_t kb0 = first; kb0 < end; kb0 += 4 * KB) {
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
@@ -225,7 +240,8 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_pool,
                 _tile_stored(3, s4 + 768, 64);
                 const int64_t n = end - kb0 < 4 * KB ? end - kb0 : 4 * KB;
                 for (int64_t j = 0; j < n; j++) {
-                    const __m512 x = pf_row(s4 + j * QB, kb0 + j, pos0, nq, scale);
+                    const __m512 x = pf_row(s4 + j * QB, kb0 + j, pos0, nq, scale, window,
+                                            first);
                     _mm512_storeu_ps(s4 + j * QB, x);
                     top = _mm512_max_ps(top, x);
                 }
@@ -240,7 +256,7 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_pool,
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
-                for (int64_t kp = 0; kp < end; kp += PB) {
+                for (int64_t kp = first; kp < end; kp += PB) {
                     bf16 *ptb = pt + ((kp / PB) % 2) * 512;
                     for (int64_t i = 0; i < PB / 2; i++) {
                         __m512 e[2];
@@ -299,9 +315,9 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, const bf16 *k_pool,
                             const bf16 *v_pool, int64_t pool_slots, const int64_t *slots,
                             const int64_t *slot_at, const int64_t *q_at, const int64_t *starts,
                             const int64_t *news, int64_t requests, int64_t heads,
-                            int64_t kv_heads, int64_t dim, float scale, bf16 *out,
-                            int threads) {
-    (void)q, (void)q_stride, (void)k_pool, (void)v_pool, (void)pool_slots, (void)slots;
+                            int64_t kv_heads, int64_t dim, float scale, int64_t window,
+                            bf16 *out, int threads) {
+    (void)window, (void)q, (void)q_stride, (void)k_pool, (void)v_pool, (void)pool_slots, (void)slots;
     (void)slot_at, (void)q_at, (void)starts, (void)news, (void)requests, (void)heads;
     (void)kv_heads, (void)dim, (void)scale, (void)out, (void)threads;
 }

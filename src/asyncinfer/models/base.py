@@ -20,6 +20,7 @@ class CausalLM(Protocol):
     config: ModelConfig
     ops: LayerOps
     op_names: OpNames
+    windows: tuple[int | None, ...]   # each layer's sliding window (None: full attention)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attn: AttentionContext) -> torch.Tensor:

@@ -4,6 +4,7 @@ around them. A family is a ``DecoderModel`` subclass with its ``LayerSpec``."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from attrs import frozen
@@ -29,12 +30,13 @@ class LayerSpec:
 
 
 class Attention(nn.Module):
-    """Self-attention of one layer; the KV cache lives in the backend, not here."""
+    """Self-attention of one layer; the KV cache lives in the backend, not here.
+    ``sliding_window``: this layer's window (None: full attention), handed to the backend."""
 
     def __init__(self, cfg: ModelConfig, layer: int, spec: LayerSpec,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, sliding_window: int | None = None) -> None:
         super().__init__()
-        self.layer, self.tp = layer, tp
+        self.layer, self.tp, self.sliding_window = layer, tp, sliding_window
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -51,7 +53,8 @@ class Attention(nn.Module):
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
             self.eps, self.heads, self.kv_heads, self.head_dim, *attn.kv_slots(self.layer))
-        return self.tp.all_reduce(self.o_proj(attn(self.layer, q, k, v)))
+        out = attn(self.layer, q, k, v, self.sliding_window)
+        return self.tp.all_reduce(self.o_proj(out))
 
 
 class GatedMLP(nn.Module):
@@ -72,9 +75,9 @@ class DecoderLayer(nn.Module):
     (output, stream before the add), so each add fuses with the next norm."""
 
     def __init__(self, cfg: ModelConfig, layer: int, spec: LayerSpec,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer, spec, tp)
+        self.self_attn = Attention(cfg, layer, spec, tp, sliding_window)
         self.mlp = GatedMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -114,6 +117,18 @@ _STACKED = {
 class DecoderModel(nn.Module):
     """A ``CausalLM`` of DecoderLayers; ``cfg`` is this rank's shape under ``tp``."""
 
+    implements_sliding_window: ClassVar[bool] = False
+    """Whether the family attends through config.json's ``sliding_window`` (else refused)."""
+
+    @classmethod
+    def layer_window(cls, cfg: ModelConfig, layer: int) -> int | None:
+        """Layer ``layer``'s attention window (None: full): ``cfg.sliding_window`` on the
+        layers ``layer_types`` marks ``sliding_attention``, on all where it has none."""
+        types = getattr(cfg.hf_config, "layer_types", None)
+        if cfg.sliding_window is None or (types and types[layer] != "sliding_attention"):
+            return None
+        return cfg.sliding_window
+
     @classmethod
     def layer_spec(cls, cfg: ModelConfig) -> LayerSpec:
         """How this family's layers are built from ``cfg``."""
@@ -128,7 +143,8 @@ class DecoderModel(nn.Module):
                          f"(implemented: {', '.join(ACTIVATIONS)})")
         if cfg.mlp_bias:
             found.append("mlp_bias=True")
-        if cfg.sliding_window is not None and cfg.sliding_window < context_len:
+        if (cfg.sliding_window is not None and cfg.sliding_window < context_len
+                and not cls.implements_sliding_window):
             found.append(f"sliding_window={cfg.sliding_window} (shorter than the context of "
                          f"{context_len} tokens; sliding-window attention is not implemented)")
         if cfg.rope_type not in ROPE_TYPES:
@@ -151,8 +167,9 @@ class DecoderModel(nn.Module):
         self.vocab_start, rows = self.tp.vocab_rows(cfg.vocab_size)
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
         spec = self.layer_spec(cfg)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, spec, self.tp) for i in range(cfg.num_layers))
+        self.windows = tuple(self.layer_window(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, spec, self.tp, self.windows[i])
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head: Linear | TiedHead = (TiedHead(self.embed_tokens)
                                            if cfg.tie_word_embeddings

@@ -12,12 +12,14 @@ from asyncinfer.models.base import CausalLM
 from asyncinfer.models.blocks import DecoderModel
 from asyncinfer.models.gemma3 import Gemma3ForCausalLM
 from asyncinfer.models.llama import LlamaForCausalLM
+from asyncinfer.models.mistral import MistralForCausalLM
 from asyncinfer.models.qwen2 import Qwen2ForCausalLM
 from asyncinfer.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: Mapping[str, type[DecoderModel]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
