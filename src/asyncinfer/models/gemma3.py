@@ -5,6 +5,7 @@ each kind with its own rope base. See docs/architecture.md, 'Gemma 3'."""
 from __future__ import annotations
 
 import functools
+from typing import ClassVar
 
 import torch
 
@@ -25,8 +26,8 @@ class Gemma3DecoderLayer(DecoderLayer):
     its add)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, spec: LayerSpec,
-                 tp: TensorParallel) -> None:
-        super().__init__(cfg, layer, spec, tp)
+                 tp: TensorParallel, sliding_window: int | None = None) -> None:
+        super().__init__(cfg, layer, spec, tp, sliding_window)
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = OffsetRMSNorm(hidden, eps)
         self.post_attention_layernorm = OffsetRMSNorm(hidden, eps)
@@ -53,7 +54,9 @@ class Gemma3DecoderLayer(DecoderLayer):
 
 
 class Gemma3ForCausalLM(DecoderModel):
-    """Gemma 3's text decoder; ``layer_types`` says which layers slide."""
+    """Gemma 3's text decoder; ``layer_types`` says which layers slide (``windows``)."""
+
+    implements_sliding_window: ClassVar[bool] = True
 
     @classmethod
     def layer_spec(cls, cfg: ModelConfig) -> LayerSpec:
@@ -84,7 +87,8 @@ class Gemma3ForCausalLM(DecoderModel):
         super().__init__(cfg, rotary, tp)
         spec = self.layer_spec(cfg)
         self.layers = torch.nn.ModuleList(
-            Gemma3DecoderLayer(cfg, i, spec, self.tp) for i in range(cfg.num_layers))
+            Gemma3DecoderLayer(cfg, i, spec, self.tp, self.windows[i])
+            for i in range(cfg.num_layers))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layer_types = _layer_types(cfg)
         self.op_names = OpNames(activation=cfg.hidden_act, norm="offset_rms")
