@@ -85,6 +85,22 @@ def test_gemma3_prefix_cache_hits_past_the_window_match_transformers(
     assert all(o.cached_tokens >= len(p) - 4 for o, p in zip(again, prompts))
 
 
+def test_gemma3_layers_from_sliding_window_pattern_match_transformers(
+        tiny_gemma3_dir: Path, tmp_path: Path) -> None:
+    """A config.json without ``layer_types`` but with the older ``sliding_window_pattern``
+    (every second layer global): the layers transformers derives from it slide."""
+    model_dir = _edited(tiny_gemma3_dir, tmp_path / "pattern", sliding_window_pattern=2)
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["layer_types"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    from transformers import AutoConfig
+
+    types = AutoConfig.from_pretrained(model_dir).layer_types
+    assert types == ["sliding_attention", "full_attention"] * 2
+    prompts, expected = reference(model_dir)
+    assert generate_ids(model_dir, prompts) == expected
+
+
 @pytest.mark.parametrize("cpu_kernels", [True, False])
 def test_gemma3_bfloat16_logits_are_close_to_float32_transformers(
         tiny_gemma3_dir: Path, cpu_kernels: bool) -> None:
