@@ -68,6 +68,22 @@ def test_gemma3_greedy_matches_transformers(tiny_gemma3_dir: Path,
     assert generate_ids(tiny_gemma3_dir, prompts, **options) == expected
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+async def test_gemma3_through_async_engine_matches_transformers(tiny_gemma3_dir: Path,
+                                                                overlap: bool) -> None:
+    """Concurrent requests through AsyncEngine, scheduling overlapped with compute or not."""
+    import asyncio
+
+    from asyncinfer.api import AsyncEngine
+
+    prompts, expected = reference(tiny_gemma3_dir)
+    async with AsyncEngine(str(tiny_gemma3_dir), skip_tokenizer_init=True, dtype="float32",
+                           page_size=4, max_running_requests=8, max_seq_len=256,
+                           overlap=overlap) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+    assert [o.token_ids for o in outs] == expected
+
+
 def test_gemma3_prefix_cache_hits_past_the_window_match_transformers(
         tiny_gemma3_dir: Path) -> None:
     """A second round over one engine finds every prompt cached (pages behind the window
