@@ -91,6 +91,12 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None  # None: scores scaled by head_dim ** -0.5
+
+    @property
+    def attention_scale(self) -> float:
+        """What q . k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def sharded(self, ranks: int) -> ModelConfig:
         """The shape one of ``ranks`` tensor-parallel ranks holds: its share of the attention
@@ -129,7 +135,8 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)),
             hf_config=hf,
-            hidden_act=str(getattr(hf, "hidden_act", "silu")),
+            hidden_act=str(getattr(hf, "hidden_activation", None)  # Gemma's name for it
+                           or getattr(hf, "hidden_act", "silu")),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             sliding_window=_sliding_window(hf),
             rope_type=_rope_type(rope),
@@ -146,6 +153,7 @@ class ModelConfig:
                 getattr(hf, "shared_expert_intermediate_size", 0) or 0),
             final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
             attn_logit_softcapping=getattr(hf, "attn_logit_softcapping", None),
+            query_pre_attn_scalar=getattr(hf, "query_pre_attn_scalar", None),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:

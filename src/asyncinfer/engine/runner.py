@@ -115,7 +115,7 @@ class ModelRunner:
                                       device=self.device)
         self.backend = backend_cls(AttentionSpec(
             self.pool, self.page_table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.head_dim**-0.5, self.dtype, self.device, self.scratch_page,
+            cfg.attention_scale, self.dtype, self.device, self.scratch_page,
             native=config.cpu_kernels, windows=self.model.windows))
         if kernels is not None and kernels.runs_layer_ops(self.dtype, cfg.hidden_size,
                                                           cfg.head_dim):

@@ -36,6 +36,21 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
     return rms_norm(residual, weight, eps), residual
 
 
+def offset_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Gemma's ``(1 + weight) * x / rms(x)``: reduction and scale in float32, one rounding
+    to the input dtype at the end (as transformers' Gemma3RMSNorm)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.to(torch.float32))).to(x.dtype)
+
+
+def add_offset_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
+                        eps: float) -> tuple[Tensor, Tensor]:
+    """``add_rms_norm`` with ``offset_rms_norm``."""
+    residual = residual + x
+    return offset_rms_norm(residual, weight, eps), residual
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -43,7 +58,8 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None,
                  k_weight: Tensor | None, eps: float, heads: int, kv_heads: int,
-                 head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+                 head_dim: int, norm: Callable[[Tensor, Tensor, float], Tensor] = rms_norm
+                 ) -> tuple[Tensor, Tensor, Tensor]:
     """Split qkv [T, (heads + 2 kv_heads) * dim] into q, k, v; RMSNorm q and k per head when
     weights are given; rotate q and k by ``cos``/``sin`` [T, 1, dim]. v is a view of qkv."""
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -52,7 +68,7 @@ def qk_norm_rope(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None,
     k = k.view(-1, kv_heads, head_dim)
     v = v.view(-1, kv_heads, head_dim)
     if q_weight is not None and k_weight is not None:
-        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+        q, k = norm(q, q_weight, eps), norm(k, k_weight, eps)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 
@@ -64,6 +80,23 @@ def qk_norm_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor |
     q, k, v = qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, heads, kv_heads, head_dim)
     store_kv(k_cache, v_cache, slots, k, v)
     return q, k, v
+
+
+def offset_qk_norm_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None,
+                              k_weight: Tensor | None, eps: float, heads: int, kv_heads: int,
+                              head_dim: int, k_cache: Tensor, v_cache: Tensor,
+                              slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``qk_norm_rope_store`` with Gemma's ``offset_rms_norm`` on q and k."""
+    q, k, v = qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, heads, kv_heads, head_dim,
+                           norm=offset_rms_norm)
+    store_kv(k_cache, v_cache, slots, k, v)
+    return q, k, v
+
+
+def gelu_tanh_mul(gate_up: Tensor) -> Tensor:
+    """GeGLU with the tanh GeLU (``gelu_pytorch_tanh``): ``gelu_tanh(gate) * up``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
@@ -115,17 +148,26 @@ class Op:
 
 ACTIVATIONS: Mapping[str, Op] = {
     "silu": Op(silu_mul, native=lambda k: k.silu_mul),
+    "gelu_pytorch_tanh": Op(gelu_tanh_mul),  # no Triton or C kernel: torch (compiled) runs it
 }
 """Gated activations by config.json's ``hidden_act``: ``act(gate) * up`` of [T, 2 * inter]."""
 
 NORMS: Mapping[str, tuple[Op, Op]] = {
     "rms": (Op(rms_norm, native=_native_rms_norm),
             Op(add_rms_norm, native=lambda k: k.add_rms_norm)),
+    # Gemma's (1 + w): torch only (the Triton and C kernels compute plain RMSNorm).
+    "offset_rms": (Op(offset_rms_norm), Op(add_offset_rms_norm)),
 }
 """Norm variants: (``norm(x, w, eps)``, ``add_norm(x, residual, w, eps) -> (norm(r), r)``)."""
 
 QK_NORM_ROPE_STORE = Op(qk_norm_rope_store, triton=triton_ops.qk_norm_rope_store,
                         native=lambda k: k.qk_norm_rope_store)
+
+QK_NORM_ROPE_STORES: Mapping[str, Op] = {
+    "rms": QK_NORM_ROPE_STORE,
+    "offset_rms": Op(offset_qk_norm_rope_store),
+}
+"""The q/k norm, rotary and KV store by norm variant (q and k take the model's norm)."""
 
 
 @frozen
@@ -165,7 +207,7 @@ class LayerOps:
         norm, add_norm = NORMS[names.norm]
         self.norm = self._pick(norm, backend, native)
         self.add_norm = self._pick(add_norm, backend, native)
-        self.qk_norm_rope_store = self._pick(QK_NORM_ROPE_STORE, backend, native)
+        self.qk_norm_rope_store = self._pick(QK_NORM_ROPE_STORES[names.norm], backend, native)
         self.act = self._pick(ACTIVATIONS[names.activation], backend, native)
 
     def _pick(self, op: Op, backend: str, native: NativeKernels | None) -> Callable[..., Any]:

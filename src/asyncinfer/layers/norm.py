@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from asyncinfer.layers.fused import rms_norm
+from asyncinfer.layers.fused import offset_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -19,3 +19,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's y = (1 + w) * x / rms(x) (see ``layers.fused.offset_rms_norm``); ``w`` starts
+    at zero, as checkpoints store it."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return offset_rms_norm(x, self.weight, self.eps)

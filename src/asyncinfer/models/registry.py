@@ -10,6 +10,7 @@ from asyncinfer.errors import UnsupportedModelError
 from asyncinfer.layers.rotary import RotaryEmbedding
 from asyncinfer.models.base import CausalLM
 from asyncinfer.models.blocks import DecoderModel
+from asyncinfer.models.gemma3 import Gemma3ForCausalLM
 from asyncinfer.models.llama import LlamaForCausalLM
 from asyncinfer.models.mistral import MistralForCausalLM
 from asyncinfer.models.mixtral import MixtralForCausalLM
@@ -19,6 +20,7 @@ from asyncinfer.models.qwen3 import Qwen3ForCausalLM
 from asyncinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: Mapping[str, type[DecoderModel]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
