@@ -63,6 +63,36 @@ def test_stall_free_is_token_exact_with_transformers(tiny_llama_dir: Path, budge
     assert sched.kv.allocator.num_free + sched.kv.cached_pages == llm.runner.num_pages
 
 
+def test_a_mixed_batchs_decoding_rows_take_the_cpu_decode_kernel(tiny_llama_dir: Path) -> None:
+    """On a CPU with the compiled kernels (no AMX prefill), the decoding rows leading a mixed
+    batch are attended by the decode kernel in place, the prefill rows request by request;
+    the tokens stay transformers'."""
+    prompts, max_tokens, expected = cases(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir, policy="stall_free", chunked_prefill=True,
+                   max_extend_tokens=24)
+    backend = llm.runner.backend
+    if backend.native is None or backend.native_prefill:
+        pytest.skip("needs the CPU decode kernel without the AMX prefill kernel")
+    planned: list[tuple[list[int], Any]] = []
+    plan = backend.plan
+
+    def recording(batch: Any, out_loc: Any) -> Any:
+        meta = plan(batch, out_loc)
+        planned.append((list(batch.extend_lens), meta))
+        return meta
+
+    backend.plan = recording
+    outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+    mixed = [(lens, meta) for lens, meta in planned
+             if lens[0] == 1 and any(n > 1 for n in lens)]
+    assert mixed, "no mixed batch was planned"
+    for lens, meta in mixed:
+        head = next(i for i, n in enumerate(lens) if n != 1)
+        assert meta.native is not None and meta.native.table.shape[0] == head
+        assert len(meta.kv_slots) == len(lens) - head
+
+
 @pytest.mark.usefixtures("fake_fi")
 def test_mixed_batches_replay_the_prefill_graphs(tiny_llama_dir: Path) -> None:
     """With CUDA graphs (replayed eagerly on the CPU, same padded buffers), mixed batches take

@@ -27,7 +27,7 @@ class TorchMetadata:
     q_bounds: list[tuple[int, int]]       # per request: its rows in the flat token axis
     starts: list[int]
     decode_groups: list[DecodeGroup]      # when every request decodes
-    native: NativeDecode | None = None    # when every request decodes, with the CPU kernel
+    native: NativeDecode | None = None    # the leading decoding requests, with the CPU kernel
     prefill: NativePrefill | None = None  # prefill and mixed batches, with the CPU kernel
 
 
@@ -109,8 +109,17 @@ class TorchBackend:
         if batch.phase == "decode":  # the groups hold all the slots decode reads
             return TorchMetadata(out_loc, [], bounds, list(batch.starts),
                                  self._decode_groups(batch))
-        ends = list(batch.ends)
-        slots = upload(torch.cat([self.page_table[r, :e] for r, e in zip(batch.rows, ends)]),
+        # A mixed batch's decoding rows lead it: without the AMX prefill kernel, the CPU
+        # decode kernel takes those (in place) and the rest go request by request.
+        head = self._decoding_head(batch) if not self.native_prefill else 0
+        native = None
+        if head:
+            longest = max(batch.ends[:head])
+            native = NativeDecode(self.page_table[torch.tensor(batch.rows[:head]), :longest],
+                                  torch.arange(head),
+                                  torch.tensor(batch.ends[:head], dtype=torch.int64), longest)
+        rows, ends = batch.rows[head:], list(batch.ends[head:])
+        slots = upload(torch.cat([self.page_table[r, :e] for r, e in zip(rows, ends)]),
                        self.device)
         prefill = None
         if self.native_prefill:
@@ -119,8 +128,19 @@ class TorchBackend:
                                     torch.tensor([lo for lo, _ in bounds]),
                                     torch.tensor(list(batch.starts)),
                                     torch.tensor(list(batch.extend_lens)))
-        return TorchMetadata(out_loc, list(slots.split(ends)), bounds, list(batch.starts), [],
-                             prefill=prefill)
+        return TorchMetadata(out_loc, list(slots.split(ends)), bounds[head:],
+                             list(batch.starts[head:]), [], native=native, prefill=prefill)
+
+    def _decoding_head(self, batch: Batch) -> int:
+        """How many leading requests compute one token each (0 without the decode kernel)."""
+        if self.native is None:
+            return 0
+        head = 0
+        for n in batch.extend_lens:
+            if n != 1:
+                break
+            head += 1
+        return head
 
     def _decode_groups(self, batch: Batch) -> list[DecodeGroup]:
         # Sorted by length, split into groups, each padded to its own longest.
@@ -171,10 +191,14 @@ class TorchBackend:
         window = full_if_wider(window, self.positions)
         if meta.native is not None:
             assert self.native is not None
+            head = meta.native.table.shape[0]
             out = self.native.decode_attention(
-                q, k_pool, v_pool, meta.native.table, meta.native.rows, meta.native.lens,
-                self.scale, meta.native.max_len, window)
-            return out.view(q.shape[0], -1).to(out_dtype)
+                q[:head], k_pool, v_pool, meta.native.table, meta.native.rows,
+                meta.native.lens, self.scale, meta.native.max_len, window)
+            out = out.view(head, -1).to(out_dtype)
+            if not meta.kv_slots:  # a decode batch: nothing more
+                return out
+            return torch.cat([out, self._per_request(layer, q, k, v, meta, window).to(out_dtype)])
         if meta.prefill is not None:
             assert self.native is not None
             p = meta.prefill
@@ -200,6 +224,14 @@ class TorchBackend:
                 else:
                     out.index_copy_(0, group.index, res)
             return out.to(out_dtype)
+        return self._per_request(layer, q, k, v, meta, window).to(out_dtype)
+
+    def _per_request(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     meta: TorchMetadata, window: int | None) -> torch.Tensor:
+        """SDPA request by request over ``meta.q_bounds`` (in the pool's dtype)."""
+        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        dtype = k_pool.dtype
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         outs = []
         for (lo, hi), start, slots in zip(meta.q_bounds, meta.starts, meta.kv_slots):
             qr = q[lo:hi].transpose(0, 1).unsqueeze(0)             # [1, heads, n, dim]
@@ -222,7 +254,7 @@ class TorchBackend:
                 qr, kr, vr, attn_mask=mask, is_causal=mask is None and n > 1,
                 scale=self.scale, enable_gqa=True)
             outs.append(out.squeeze(0).transpose(0, 1).reshape(n, -1))
-        return (torch.cat(outs) if len(outs) > 1 else outs[0]).to(out_dtype)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 _MAX_GROUPS = 4     # padded SDPA calls per decode layer at most
