@@ -86,15 +86,23 @@ class LLM:
         await self.engine.wait_idle()
         return list(outputs)
 
-    def close(self) -> None:
-        """Stop the engine's loop (also done when the object is collected)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the engine's loop (also done when the object is collected); ``timeout``:
+        give up waiting for the engine after that many seconds."""
         if not self._loop.is_closed():
-            self._loop.run_until_complete(self.engine.close())
-            self._loop.close()
+            try:
+                self._loop.run_until_complete(asyncio.wait_for(self.engine.close(), timeout))
+            finally:
+                self._loop.close()
 
     def __del__(self) -> None:
+        # Collection happens wherever the last reference goes: never wait there for long.
         with contextlib.suppress(Exception):
-            self.close()
+            self.close(timeout=_COLLECTED_CLOSE_S)
+
+
+_COLLECTED_CLOSE_S = 60.0
+"""How long an LLM collected without close() waits for its engine to stop."""
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
