@@ -183,3 +183,37 @@ async def test_stall_free_through_the_server_is_token_exact(
     mixed = next(line for line in metrics.splitlines()
                  if line.startswith('asyncinfer_batches_total{phase="mixed"}'))
     assert float(mixed.split()[-1]) > 0
+
+
+@pytest.mark.slow
+async def test_lpm_through_the_server_is_token_exact(
+        smollm2_dir: Path, embedded_reference: list[list[int]]) -> None:
+    """lpm with radix and chunked prefill: each prompt sent twice at once, so later copies
+    match what earlier ones cached and lpm reorders them; every answer is transformers'."""
+    import aiohttp
+
+    from tests.test_server_process import start_server
+
+    proc, url = start_server(smollm2_dir, "--policy", "lpm", "--max-extend-tokens", "16",
+                             "--chunked-prefill", "--cache-type", "radix")
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def one(prompt: list[int]) -> list[int]:
+                body = {"input_ids": prompt, "sampling_params": {
+                    "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+                async with session.post(f"{url}/generate", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    data = await resp.json()
+                return list(data["token_ids"])
+
+            prompts = embedded_prompts()
+            got = await asyncio.gather(*(one(p) for p in prompts + prompts))
+            async with session.get(f"{url}/metrics") as resp:
+                metrics = await resp.text()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    assert list(got) == embedded_reference + embedded_reference
+    hits = next(line for line in metrics.splitlines()
+                if line.startswith("asyncinfer_prefix_cache_hits"))
+    assert float(hits.split()[-1]) > 0  # the second copies matched the first ones'
