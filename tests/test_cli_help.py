@@ -75,16 +75,20 @@ def test_generate_takes_every_engine_option_serve_takes() -> None:
 
 
 def test_models_lists_the_cache_without_loading_torch(tmp_path: Any) -> None:
-    """In a fresh interpreter: `asyncinfer models` prints the cache, and torch is not in
-    sys.modules after it."""
+    """In a fresh interpreter: `asyncinfer models` prints the cache, each model with the
+    architecture its config.json names, and torch is not in sys.modules after it."""
     code = ("import sys; from asyncinfer.cli import main; code = main(['models']); "
             "print('torch loaded' if 'torch' in sys.modules else 'no torch'); sys.exit(code)")
+    model = tmp_path / "models" / "tiny-mistral"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"architectures": ["MistralForCausalLM"]}')
     env = {**os.environ, "ASYNCINFER_CACHE": str(tmp_path),
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert f"cache: {tmp_path / 'models'}" in done.stdout
+    assert f"tiny-mistral\tMistralForCausalLM\t0 MiB\t{model}" in done.stdout, done.stdout
     assert done.stdout.strip().splitlines()[-1] == "no torch", done.stdout
 
 

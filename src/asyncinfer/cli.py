@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from asyncinfer.errors import AsyncInferError
@@ -58,8 +59,19 @@ def _models(args: argparse.Namespace) -> int:
         print(f"(empty: the embedded {EMBEDDED_NAME} is fetched on first use)")
     for path in found:
         size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
-        print(f"{path.name}\t{size:.0f} MiB\t{path}")
+        print(f"{path.name}\t{_architecture(path)}\t{size:.0f} MiB\t{path}")
     return 0
+
+
+def _architecture(path: Path) -> str:
+    """The architecture config.json names (what the engine picks a family by)."""
+    import json
+
+    try:
+        names = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return "(unreadable config.json)"
+    return ",".join(str(n) for n in names) or "(no architecture named)"
 
 
 def _policies(args: argparse.Namespace) -> int:
