@@ -22,6 +22,10 @@ MAX_TEMPERATURE = 100.0
 MAX_INT32 = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)   # two's-complement or unsigned 64 bits (taken mod 2**64)
 MAX_TENANT_CHARS = 256              # a tenant name, as the OpenAI `user` field or a header
+MAX_LOGPROBS = 20                   # top alternatives per position, as OpenAI allows
+MAX_N = 16                          # choices per request (``n``, ``best_of``)
+MAX_LOGIT_BIAS = 300                # entries of ``logit_bias``, as OpenAI allows
+MAX_STOP_TOKEN_IDS = 64
 
 
 @frozen
@@ -58,7 +62,40 @@ BOUNDS: Mapping[str, Bound] = MappingProxyType({
     "min_p": Bound(0.0, 1.0, integer=False),
     "seed": Bound(*SEED_RANGE, integer=True, shown="[-2**63, 2**64 - 1]"),
     "priority": Bound(-MAX_INT32, MAX_INT32, integer=True),
+    "n": Bound(1, MAX_N, integer=True),
+    "presence_penalty": Bound(-2.0, 2.0, integer=False),
+    "frequency_penalty": Bound(-2.0, 2.0, integer=False),
+    "repetition_penalty": Bound(0.0, 10.0, integer=False, open_low=True),
+    "min_tokens": Bound(0, MAX_INT32, integer=True),
 })
+# Fields that may be None (off); when set they must hold their bound.
+OPTIONAL_BOUNDS: Mapping[str, Bound] = MappingProxyType({
+    "logprobs": Bound(0, MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Bound(0, MAX_LOGPROBS, integer=True),
+    "best_of": Bound(1, MAX_N, integer=True),
+})
+LOGIT_BIAS_BOUND = Bound(-100.0, 100.0, integer=False)
+
+
+def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` or (id, bias) pairs as sorted pairs (hashable, one per id)."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = {int(t) if isinstance(t, str) and t.lstrip("-").isdigit() else t: b
+                 for t, b in items}
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got "
+                                  f"{value!r:.80}", param="logit_bias") from None
+    if not all(_is_int(t) for t in pairs):
+        raise InvalidRequestError(f"logit_bias keys must be token ids, got {value!r:.80}",
+                                  param="logit_bias")
+    return tuple(sorted(pairs.items()))
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    return () if value is None else tuple(value)
 
 
 def _is_utf8(text: str) -> bool:
@@ -87,7 +124,15 @@ def _as_stop(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]
 class SamplingParams:
     """vLLM's and OpenAI's sampling knobs: greedy below ``MIN_TEMPERATURE``; ``top_k`` -1 or 0
     is off; a ``seed`` is independent of the batch; ``priority`` (lower first) and ``tenant``
-    are for policies. Outside :data:`BOUNDS`: InvalidRequestError naming the field."""
+    are for policies. Outside :data:`BOUNDS`: InvalidRequestError naming the field.
+
+    ``logprobs``: the sampled token's log-probability and this many top alternatives per
+    output token (None: none); ``prompt_logprobs`` likewise per prompt token. Both come from
+    the model's raw log-softmax, before penalties, bias, temperature and filters (as vLLM's
+    default). ``n`` choices are returned (the best ``n`` of ``best_of`` when set), sharing the
+    prompt's prefill. Penalties follow OpenAI (presence, frequency: over the output so far) and
+    vLLM (``repetition_penalty``: over prompt and output); ``logit_bias`` adds to the logits;
+    ``min_tokens`` holds EOS and ``stop_token_ids`` back until that many tokens exist."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -100,6 +145,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0
     tenant: str = ""
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=(), converter=_as_bias)
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = field(default=(), converter=_as_ids)
 
     def __attrs_post_init__(self) -> None:
         for name, bound in BOUNDS.items():
@@ -107,6 +162,25 @@ class SamplingParams:
             if value is None and name == "seed":
                 continue
             _check(bound.holds(value), name, f"must be {bound.describe()}, got {value!r}")
+        for name, bound in OPTIONAL_BOUNDS.items():
+            value = getattr(self, name)
+            _check(value is None or bound.holds(value), name,
+                   f"must be {bound.describe()} or null, got {value!r}")
+        _check(self.best_of is None or self.best_of >= self.n, "best_of",
+               f"must be at least n ({self.n}), got {self.best_of!r}")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        bad = next((b for _, b in self.logit_bias if not LOGIT_BIAS_BOUND.holds(b)), None)
+        _check(bad is None, "logit_bias",
+               f"values must be {LOGIT_BIAS_BOUND.describe()}, got {bad!r}")
+        _check(all(t >= 0 for t, _ in self.logit_bias), "logit_bias",
+               "keys must be token ids (non-negative integers)")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               f"must be at most {MAX_STOP_TOKEN_IDS} token ids, got "
+               f"{self.stop_token_ids!r:.80}")
+        _check(self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check(isinstance(self.tenant, str) and len(self.tenant) <= MAX_TENANT_CHARS
                and _is_utf8(self.tenant), "tenant",
                f"must be a UTF-8 string of at most {MAX_TENANT_CHARS} characters, "
@@ -132,6 +206,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Sampling reduces to argmax (temperature below ``MIN_TEMPERATURE``, or top_k 1)."""
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler changes this row's logits (penalties or bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
+
+    @property
+    def choices(self) -> int:
+        """How many sequences the request samples (``best_of``, else ``n``)."""
+        return self.best_of or self.n
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with some fields changed (validated again)."""
