@@ -75,6 +75,12 @@ OPTIONAL_BOUNDS: Mapping[str, Bound] = MappingProxyType({
     "best_of": Bound(1, MAX_N, integer=True),
 })
 LOGIT_BIAS_BOUND = Bound(-100.0, 100.0, integer=False)
+# Fields the engine does not compute yet, with the value that asks for nothing: any other
+# value is refused, naming the field, rather than ignored.
+NOT_YET: Mapping[str, object] = MappingProxyType({
+    "n": 1, "best_of": None, "logprobs": None, "prompt_logprobs": None,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "logit_bias": (), "min_tokens": 0, "stop_token_ids": ()})
 
 
 def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -179,6 +185,8 @@ class SamplingParams:
                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                f"must be at most {MAX_STOP_TOKEN_IDS} token ids, got "
                f"{self.stop_token_ids!r:.80}")
+        for name, off in NOT_YET.items():
+            _check(getattr(self, name) == off, name, "is not implemented by this engine yet")
         _check(self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check(isinstance(self.tenant, str) and len(self.tenant) <= MAX_TENANT_CHARS
