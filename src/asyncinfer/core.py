@@ -77,6 +77,17 @@ class ForwardOutput:
 
 
 @frozen
+class TokenLogprob:
+    """One position's token with its log-probability under the model's raw distribution
+    (log-softmax of the logits, before penalties, bias, temperature and filters), and the
+    ``top`` most probable tokens there, most probable first, as (token id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@frozen
 class Event:
     """What one round produced for one request: a token, a finish, or both (or an error)."""
 
