@@ -145,3 +145,30 @@ def test_earliest_of_several_stop_strings_wins(tok: Tokenizer) -> None:
     det = tok.detokenizer(SamplingParams(stop=["world", "ll"]))
     assert "".join(stream(det, tok.encode("hello world"), chunk=2)) == "he"
     assert det.stop_reason == "ll"
+
+
+def test_every_token_piece_is_its_exact_bytes_and_its_text_where_they_decode(
+        tok: Tokenizer) -> None:
+    # The whole vocabulary: a piece's bytes concatenate to the text the tokens decode to;
+    # a piece that is part of a character is spelled bytes:\xNN, as OpenAI's API does.
+    partial = 0
+    for token in range(tok.vocab_size):
+        text, raw = tok.piece(token)
+        try:
+            decoded = raw.decode()
+        except UnicodeDecodeError:
+            partial += 1
+            assert text == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            continue
+        assert text == decoded == tok.decode([token], skip_special_tokens=False)
+    assert partial > 0, "a byte-level vocabulary has pieces of characters"
+    ids = tok.encode("héllo 你好 world 🙂")
+    assert b"".join(tok.piece(i)[1] for i in ids).decode() == "héllo 你好 world 🙂"
+    assert [tok.piece(i)[0] for i in tok.encode("你")] == ["bytes:\\xe4\\xbd", "bytes:\\xa0"]
+
+
+def test_special_ids_are_what_decode_skips(tok: Tokenizer) -> None:
+    assert IM_END in tok.special_ids
+    ids = [*tok.encode("hi"), IM_END, *tok.encode(" there")]
+    kept = [i for i in ids if i not in tok.special_ids]
+    assert tok.decode(ids, skip_special_tokens=True) == tok.decode(kept)

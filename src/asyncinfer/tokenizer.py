@@ -27,6 +27,7 @@ class Tokenizer:
         if hf_tokenizer.eos_token_id is not None:
             eos.add(int(hf_tokenizer.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self._pieces: dict[int, tuple[str, bytes]] = {}
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -131,11 +132,101 @@ class Tokenizer:
                                    clean_up_tokenization_spaces=False)
         return text
 
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        """One token's text and UTF-8 bytes, as logprobs show it (memoized). A byte-level
+        token that is not valid UTF-8 alone (part of a character) has its exact bytes and
+        the text ``bytes:\\xNN...``, as OpenAI's API spells such a token; where the bytes
+        cannot be known (no byte-level vocabulary), the token's decoded text and its bytes."""
+        known = self._pieces.get(token_id)
+        if known is not None:
+            return known
+        raw = self._token_bytes(token_id)
+        if raw is None:
+            text = self.decode([token_id], skip_special_tokens=False)
+            if self._space_marker and str(self.hf.convert_ids_to_tokens(token_id)).startswith(
+                    self._space_marker) and not text.startswith(" "):
+                text = " " + text  # decode drops a lone piece's leading space
+            known = text, text.encode()
+        else:
+            try:
+                known = raw.decode(), raw
+            except UnicodeDecodeError:
+                known = "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+        self._pieces[token_id] = known
+        return known
+
+    def _token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a token stands for, where the vocabulary says so: byte-level pieces
+        (GPT-2's byte-to-character table) and byte-fallback pieces (``<0xE4>``)."""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return None
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_level:
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:
+                return None
+        match = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        return bytes([int(match.group(1), 16)]) if match else None
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids ``decode(..., skip_special_tokens=True)`` leaves out of the text."""
+        return frozenset(i for i, t in getattr(self.hf, "added_tokens_decoder", {}).items()
+                         if getattr(t, "special", False))
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self.hf, "added_tokens_decoder", {}))
+
+    @functools.cached_property
+    def _decoders(self) -> list[dict[str, Any]]:
+        """The backend's decoder steps (a Sequence unrolled)."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+        if not decoder:
+            return []
+        return list(decoder.get("decoders") or [decoder])
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return any(d.get("type") == "ByteLevel" for d in self._decoders)
+
+    @functools.cached_property
+    def _space_marker(self) -> str | None:
+        """SentencePiece's space character (``▁``) where the decoder turns it into a space."""
+        for d in self._decoders:
+            if d.get("type") == "Metaspace":
+                return str(d.get("replacement", "\u2581"))
+            if d.get("type") == "Replace" and d.get("content") == " ":
+                pattern = d.get("pattern", {}).get("String")
+                if isinstance(pattern, str) and pattern:
+                    return pattern
+        return None
+
     def detokenizer(
         self, params: SamplingParams, prompt_ids: Sequence[int] = ()
     ) -> IncrementalDetokenizer:
         """A fresh streaming detokenizer for one request's generated tokens."""
         return IncrementalDetokenizer(self, params, prompt_ids)
+
+
+def _byte_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: each byte's printable stand-in character, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_table()
 
 
 def _generation_eos_ids(path: Path) -> list[int]:
