@@ -82,6 +82,11 @@ _MinP = Annotated[float, _bounded("min_p")] | None
 _Seed = Annotated[Annotated[int, _bounded("seed"), _Integral] | None,
                   Field(description="any integer of 64 bits")]
 _MaxTokens = Annotated[int, _bounded("max_tokens", upper=False), _Integral] | None
+# Completions' max_tokens may be 0 with echo: the prompt scored, nothing generated.
+_EchoMaxTokens = Annotated[Annotated[int, Field(ge=0), _Integral] | None,
+                           Field(description="0 only with echo (score the prompt)")]
+_TopLogprobs = Annotated[Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _Integral] | None,
+                         Field(description=f"alternatives per token, 0 to {MAX_LOGPROBS}")]
 _One = Annotated[Annotated[int, Field(ge=1, le=1), _Integral] | None,
                  Field(description="only 1 is supported")]
 _Stop = Annotated[Any, WithJsonSchema({
@@ -173,10 +178,7 @@ class _OpenAISampling(_Sampling):
     n: _One = None
     user: _Tenant = None
     # Not implemented: refused unless unset or at their default (see _refuse_unsupported).
-    echo: bool | None = None
     best_of: int | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
     logit_bias: dict[str, Any] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -212,8 +214,7 @@ class _OpenAISampling(_Sampling):
 # default is "none", and "auto" leaves the choice to the model among no tools, which is plain
 # generation too; "required", a named function or any other value asks for a tool call.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False), "best_of": (None, 1), "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0), "logit_bias": (None, {}), "presence_penalty": (None, 0),
+    "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
 }
@@ -228,16 +229,33 @@ _PromptSchema = WithJsonSchema({"anyOf": [
 
 
 class CompletionRequest(_OpenAISampling):
-    """``POST /v1/completions``: one prompt (text or token ids); ``max_tokens`` defaults to 16."""
+    """``POST /v1/completions``: one prompt (text or token ids); ``max_tokens`` defaults to 16.
+    ``logprobs: k``: each token's logprob and its k most probable alternatives; ``echo``: the
+    prompt first, with its tokens' logprobs when ``logprobs`` is set."""
 
     prompt: Annotated[Any, _PromptSchema] = Field(
         description="a string or token ids; a list holding one of them is accepted too")
-    max_tokens: _MaxTokens = None
+    max_tokens: _EchoMaxTokens = None
+    echo: bool | None = None
+    logprobs: _TopLogprobs = None
+    top_logprobs: Annotated[Any, WithJsonSchema({"type": "null"})] = None
 
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
         return _check_max_tokens(value, info)
+
+    @model_validator(mode="after")
+    def _completion_fields(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 asks for no output, which only echo (scoring "
+                                "the prompt) allows; set echo: true or max_tokens of at "
+                                "least 1", param="max_tokens")
+        if self.top_logprobs is not None:
+            raise APIError(400, "top_logprobs is a chat field; completions take logprobs: k "
+                                f"(0 to {MAX_LOGPROBS} alternatives per token)",
+                           param="top_logprobs")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -292,6 +310,16 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: _MaxTokens = None
     max_completion_tokens: _MaxTokens = None
+    logprobs: bool | None = None
+    top_logprobs: _TopLogprobs = None
+    echo: bool | None = Field(default=None, description="the last message's content first, "
+                                                          "if the assistant's (as vLLM's)")
+
+    @model_validator(mode="after")
+    def _logprobs_fields(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod
@@ -310,6 +338,12 @@ class ChatCompletionRequest(_OpenAISampling):
         """``{"role", "content"}`` strings, as chat templates take them."""
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in self.messages]
+
+    def echoed(self) -> str:
+        """What ``echo`` puts before the reply: the last message's text if the assistant's
+        (a turn the reply continues), else nothing."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     @property
     def length_param(self) -> str:

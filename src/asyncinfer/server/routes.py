@@ -132,12 +132,13 @@ class Routes:
 
     async def completions(self, call: Call) -> web.StreamResponse:
         parsed = await self._parse(call, self._checking_model(translate.completion))
-        return await self._openai(call, parsed,
-                                  translate.Formatter.new(False, self.served_name))
+        return await self._openai(call, parsed, translate.Formatter.new(
+            False, self.served_name, parsed, self.encoder.tokenizer))
 
     async def chat(self, call: Call) -> web.StreamResponse:
         parsed = await self._parse(call, self._checking_model(translate.chat))
-        return await self._openai(call, parsed, translate.Formatter.new(True, self.served_name))
+        return await self._openai(call, parsed, translate.Formatter.new(
+            True, self.served_name, parsed, self.encoder.tokenizer))
 
     def _checking_model(self, parse: Parse) -> Parse:
         async def checked(body: dict[str, Any], encoder: translate.TextEncoder,
@@ -181,13 +182,7 @@ class Routes:
             return web.json_response(fmt.response(await self._run(call, parsed)))
 
         def chunks(delta: StreamDelta, first: bool) -> list[Any]:
-            out = []
-            if first or delta.text or delta.finish_reason is not None:
-                out.append(fmt.chunk(delta.text, delta.finish_reason, first=first,
-                                     include_usage=parsed.include_usage))
-            if delta.output is not None and parsed.include_usage:
-                out.append(fmt.usage_chunk(delta.output))
-            return out
+            return fmt.chunks(delta, first, parsed.include_usage)
 
         return await self._relay(call, parsed, SSE, chunks)
 

@@ -14,10 +14,13 @@ import asyncinfer.server.protocol as protocol
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import SamplingParams
 from asyncinfer.server.errors import APIError, bad_request
+from asyncinfer.server.logprobs import LegacyLogprobs, chat_content, joined
 
 if TYPE_CHECKING:
     from asyncinfer.api import RequestOutput
     from asyncinfer.core import TokenLogprob
+    from asyncinfer.outputs import StreamDelta
+    from asyncinfer.tokenizer import Tokenizer
 
 
 class TextEncoder(Protocol):
@@ -35,6 +38,9 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    # What echo puts before the output: the prompt as sent (text, or token ids to decode);
+    # None without echo.
+    echo: str | list[int] | None = None
 
 
 def check_model(body: Mapping[str, Any], served: str) -> None:
@@ -53,8 +59,15 @@ async def completion(body: Mapping[str, Any], encoder: TextEncoder,
     """A ``/v1/completions`` body; ``max_tokens`` defaults to SamplingParams' (OpenAI's 16)."""
     req = protocol.validate(protocol.CompletionRequest, body, limits)
     ids = await _prompt_ids(req.prompt, encoder, limits, "prompt")
-    params = _params(req.sampling_options(), req.max_tokens)
-    return ParsedRequest(ids, params, bool(req.stream), req.include_usage)
+    options = req.sampling_options()
+    if req.logprobs is not None:
+        options["logprobs"] = req.logprobs
+    if req.echo and (req.logprobs is not None or req.max_tokens == 0):
+        # The echoed prompt's logprobs; a pure echo (max_tokens 0) is a scoring request too.
+        options["prompt_logprobs"] = req.logprobs or 0
+    params = _params(options, req.max_tokens)
+    return ParsedRequest(ids, params, bool(req.stream), req.include_usage,
+                         req.prompt if req.echo else None)
 
 
 async def chat(body: Mapping[str, Any], encoder: TextEncoder,
@@ -64,9 +77,12 @@ async def chat(body: Mapping[str, Any], encoder: TextEncoder,
     ids = await encoder.chat(req.chat_messages())
     check_length(ids, limits.context_len, "messages")
     max_tokens = getattr(req, req.length_param)
-    params = _params(req.sampling_options(), limits.default_max_tokens if max_tokens is None
-                     else max_tokens)
-    return ParsedRequest(ids, params, bool(req.stream), req.include_usage)
+    options = req.sampling_options()
+    if req.logprobs:
+        options["logprobs"] = req.top_logprobs or 0
+    params = _params(options, limits.default_max_tokens if max_tokens is None else max_tokens)
+    return ParsedRequest(ids, params, bool(req.stream), req.include_usage,
+                         req.echoed() if req.echo else None)
 
 
 async def generate(body: Mapping[str, Any], encoder: TextEncoder,
@@ -131,18 +147,32 @@ def native_logprobs(entries: Sequence[TokenLogprob | None]) -> list[dict[str, An
 
 @frozen
 class Formatter:
-    """Builds the response, stream chunks and usage chunk of one completion or chat request."""
+    """Builds the response, stream chunks and usage chunk of one completion or chat request;
+    with ``parsed`` and ``tokenizer``, its echo and logprobs too."""
 
     chat: bool
     model: str
     request_id: str
     created: int
+    parsed: ParsedRequest | None = None
+    tokenizer: Tokenizer | None = None
+    # The completions logprobs of the choice, whose text offsets run on over a stream.
+    legacy: LegacyLogprobs | None = None
+    echo_text: str = ""     # what echo puts first
 
     @classmethod
-    def new(cls, chat: bool, model: str) -> Formatter:
+    def new(cls, chat: bool, model: str, parsed: ParsedRequest | None = None,
+            tokenizer: Tokenizer | None = None) -> Formatter:
         """A formatter with a fresh request id and the current time."""
         prefix = "chatcmpl" if chat else "cmpl"
-        return cls(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+        top = parsed.params.logprobs if parsed is not None else None
+        legacy = (LegacyLogprobs(top, tokenizer) if top is not None and not chat
+                  and tokenizer is not None else None)
+        echo = parsed.echo if parsed is not None else None
+        if isinstance(echo, list):  # token ids: their text, special tokens spelled out
+            echo = tokenizer.decode(echo, skip_special_tokens=False) if tokenizer else ""
+        return cls(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), parsed,
+                   tokenizer, legacy, echo or "")
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": kind, "created": self.created,
@@ -150,19 +180,37 @@ class Formatter:
 
     def response(self, output: RequestOutput) -> dict[str, Any]:
         """The whole (non-streamed) response."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                  "finish_reason": output.finish_reason}
+        text = self.echo_text + output.text
+        choice: dict[str, Any] = {
+            "index": 0, "logprobs": self._logprobs(output, with_prompt=True),
+            "finish_reason": output.finish_reason}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": output.text, "refusal": None}
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
         else:
-            choice["text"] = output.text
+            choice["text"] = text
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self._envelope(kind, [choice]), "usage": usage(output)}
 
+    def chunks(self, delta: StreamDelta, first: bool, include_usage: bool) -> list[Any]:
+        """The stream chunks of one delta: its text (after the echo, in the first) with its
+        tokens' logprobs, then the usage chunk after the last when ``include_usage``."""
+        text = self.echo_text + delta.text if first else delta.text
+        logprobs = self._logprobs(delta, with_prompt=first)
+        out = []
+        if first or text or delta.finish_reason is not None or (
+                logprobs is not None and delta.token_ids):
+            out.append(self.chunk(text, delta.finish_reason, first=first,
+                                  include_usage=include_usage, logprobs=logprobs))
+        if delta.output is not None and include_usage:
+            out.append(self.usage_chunk(delta.output))
+        return out
+
     def chunk(self, text: str, finish_reason: str | None, *, first: bool = False,
-              include_usage: bool = False) -> dict[str, Any]:
+              include_usage: bool = False, logprobs: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
         """One stream chunk; a chat's first chunk also carries the assistant role."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
+                                  "finish_reason": finish_reason}
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else (
                 {"content": text} if text else {})
@@ -179,3 +227,35 @@ class Formatter:
         """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(kind, []), "usage": usage(output)}
+
+    def _logprobs(self, part: RequestOutput | StreamDelta, with_prompt: bool
+                  ) -> dict[str, Any] | None:
+        """The choice's ``logprobs`` for the tokens of ``part`` (None if the request asks
+        for none); ``with_prompt``: the echoed prompt's tokens first (completions)."""
+        parsed, tokenizer = self.parsed, self.tokenizer
+        if parsed is None or tokenizer is None or parsed.params.logprobs is None:
+            return None
+        token_ids: Sequence[int] = part.token_ids
+        entries: Sequence[TokenLogprob] = part.logprobs or []
+        prompt = part.prompt_logprobs
+        if self.chat:
+            return {"content": chat_content(entries, parsed.params.logprobs, tokenizer)}
+        assert self.legacy is not None
+        parts = []
+        if with_prompt and parsed.echo is not None:
+            ids = parsed.prompt_ids
+            parts.append(self.legacy.add(
+                ids, prompt if prompt is not None else [None] * len(ids),
+                self._unwritten(ids, parsed.echo)))
+        skipped = tokenizer.special_ids if parsed.params.skip_special_tokens else ()
+        parts.append(self.legacy.add(token_ids, entries, skipped))
+        return joined(*parts)
+
+    def _unwritten(self, ids: Sequence[int], echo: str | list[int]) -> set[int]:
+        """The prompt's special tokens its echoed text does not spell (a BOS the tokenizer
+        added): they take no room in the text offsets."""
+        assert self.tokenizer is not None
+        if not isinstance(echo, str):
+            return set()
+        special = self.tokenizer.special_ids
+        return {t for t in set(ids) & special if self.tokenizer.piece(t)[0] not in echo}
