@@ -46,6 +46,8 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None
     output: RequestOutput | None
+    logprobs: list[Any] | None = None           # the stub computes none
+    prompt_logprobs: list[Any] | None = None
 
 
 @frozen
@@ -117,6 +119,11 @@ class StubEngine:
         first = None
         finished = False
         self.started.set()
+        if n == 0:  # max_tokens 0: a scoring request, finished with no token
+            yield Delta("", [], "length", RequestOutput(
+                uid, None, prompt, "", [], "length",
+                metrics=RequestMetrics(arrival, None, time.perf_counter())))
+            return
         try:
             for i in range(n):
                 await asyncio.sleep(self.token_delay)
