@@ -1,5 +1,5 @@
-"""Sessions: tests, core (the scheduler's fast tests), lint, typecheck, package, bench (CPU)
-and gpu-tests (a CUDA machine).
+"""Sessions: tests, core (the scheduler's fast tests), lint, typecheck, package, bench (CPU),
+evaluation (lm-evaluation-harness) and gpu-tests (a CUDA machine).
 
 tests, core, typecheck and bench run in one venv they share, `.nox/_shared`: torch and the
 extras are installed into it once (by the first of them to run), and again
@@ -35,7 +35,7 @@ MAX_SDIST_BYTES = 2 * 1024 * 1024
 # The venv of every session that imports asyncinfer, and what goes into it.
 SHARED_VENV = ROOT / ".nox" / "_shared"
 SHARED_PYTHON = "python3.11"
-SHARED_EXTRAS = "test,bench,dev"
+SHARED_EXTRAS = "test,bench,dev,eval"
 
 
 def _shared_env(session: nox.Session) -> dict[str, str | None]:
@@ -91,6 +91,14 @@ def tests(session: nox.Session) -> None:
     A part: `nox -s tests -- tests/test_x.py -k name`, or `nox -s tests -- -m "not slow"`."""
     _in_shared(session, "pytest", "-q", "-p", "no:cacheprovider",
                *_pytest_args(["tests", *PLUGIN_TESTS], session.posargs))
+
+
+@nox.session(python=False)
+def evaluation(session: nox.Session) -> None:
+    """lm-evaluation-harness against `asyncinfer serve` and against its own transformers
+    model on the same weights (docs/evaluation.md), printing the comparison."""
+    _in_shared(session, "pytest", "-q", "-s", "-p", "no:cacheprovider", "tests/test_lm_eval.py",
+               *session.posargs)
 
 
 # The scheduler's core in under a minute on two cores: no model is loaded.
