@@ -171,8 +171,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client: Any, hf: torch.nn.Modu
 def test_echo_with_one_new_token_as_lm_eval_sends_it(client: Any, hf: torch.nn.Module,
                                                     tok: Tokenizer) -> None:
     # lm-evaluation-harness's loglikelihood: token ids in a list, echo, logprobs 1,
-    # max_tokens 1; it sums token_logprobs[context:-1]. Twice: the second finds the prompt
-    # in the prefix cache, and scores it the same.
+    # max_tokens 1; it sums token_logprobs[context:-1]. Twice: the prompt's pages are in the
+    # prefix cache the second time, and it is scored the same.
     prompt = tok.encode(PROMPT + " Paris")
     rows = log_softmax(hf, prompt)
     for _ in range(2):
@@ -217,3 +217,20 @@ def test_bad_logprobs_fields_are_400s_naming_them(client: Any, server: str) -> N
             create(model=NAME, **body)
         assert caught.value.body["param"] == param, body
     assert client.completions.create(model=NAME, prompt=PROMPT, max_tokens=1).choices
+
+
+def test_chat_echo_puts_the_assistant_turn_first(client: Any) -> None:
+    turn = "The three colours are"
+    messages = [*CHAT, {"role": "assistant", "content": turn}]
+    body = {"model": NAME, "messages": messages, "max_tokens": 3, "temperature": 0.0}
+    plain = client.chat.completions.create(**body).choices[0].message.content
+    echoed = client.chat.completions.create(**body, extra_body={"echo": True})
+    assert echoed.choices[0].message.content == turn + plain
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        **body, extra_body={"echo": True}, stream=True) if c.choices)
+    assert streamed == turn + plain
+    # Echo repeats only the assistant's own turn: after a user turn there is nothing to add.
+    after_user = client.chat.completions.create(**{**body, "messages": CHAT},
+                                                extra_body={"echo": True})
+    assert after_user.choices[0].message.content == client.chat.completions.create(
+        **{**body, "messages": CHAT}).choices[0].message.content
