@@ -162,6 +162,38 @@ def test_max_tokens_0_scores_the_prompt_and_samples_nothing(tiny_llama_dir: Path
     assert [outputs[1].token_ids, outputs[3].token_ids] == [alone[1], alone[3]]
 
 
+def test_preempted_requests_keep_their_logprobs_and_send_the_prompts_once(
+        tiny_llama_dir: Path) -> None:
+    """A scoring request preempted mid-prompt recomputes it and keeps what it had; one
+    preempted after its first token sends its prompt logprobs once; both equal
+    transformers'."""
+    llm = tiny_llm(tiny_llama_dir, max_extend_tokens=8)
+    sched = llm.scheduler
+    batch = prompts(8, 2, low=30, high=31)
+    params = greedy(4, prompt_logprobs=2, logprobs=1)
+    for uid, prompt in enumerate(batch):
+        sched.add_request(uid, prompt, params)
+    events = sched.step()           # request 0's first chunk
+    assert sched.preempt(0)         # mid-prompt
+    while not any(e.uid == 1 and e.token is not None for e in events):
+        events += sched.step()
+    assert sched.preempt(1)         # after its first token
+    while sched.has_work:
+        events += sched.step()
+    llm.close()
+    for uid, prompt in enumerate(batch):
+        mine = [e for e in events if e.uid == uid]
+        assert mine[-1].finish_reason == "length"
+        sent = [e.prompt_logprobs for e in mine if e.prompt_logprobs is not None]
+        assert len(sent) == 1
+        out = RequestOutput(uid, None, prompt, "", [e.token for e in mine if e.token is not None],
+                            "length", logprobs=[e.logprob for e in mine if e.logprob],
+                            prompt_logprobs=list(sent[0]))
+        assert len(out.token_ids) == 4
+        check_sampled(tiny_llama_dir, prompt, out, 1)
+        check_prompt(tiny_llama_dir, prompt, out, 2)
+
+
 def test_bad_logprob_fields_are_refused_by_name() -> None:
     for name in ("logprobs", "prompt_logprobs"):
         with pytest.raises(InvalidRequestError, match=name) as info:
