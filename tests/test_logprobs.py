@@ -108,17 +108,22 @@ def test_sampled_logprobs_equal_transformers_in_a_mixed_batch(tiny_llama_dir: Pa
         assert out.prompt_logprobs is None
 
 
+@pytest.mark.parametrize("policy", ["prefill_first", "stall_free"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_prompt_logprobs_stitch_chunks_in_order(tiny_llama_dir: Path, overlap: bool) -> None:
+def test_prompt_logprobs_stitch_chunks_in_order(tiny_llama_dir: Path, overlap: bool,
+                                                policy: str) -> None:
     """Prompts of up to 60 tokens prefilled in chunks of at most 8 tokens, batched with
-    requests that score nothing: every prompt position is transformers'."""
+    requests that score nothing (stall_free: chunks beside decodes, in mixed batches):
+    every prompt position is transformers'."""
     batch = [*prompts(2, 6, low=9, high=60), [7]]
     params = [greedy(3, prompt_logprobs=(0, 2, 20)[i % 3], logprobs=i % 2 or None)
               if i % 3 != 1 else greedy(3) for i in range(len(batch))]
-    llm = tiny_llm(tiny_llama_dir, overlap=overlap, max_extend_tokens=8)
+    llm = tiny_llm(tiny_llama_dir, overlap=overlap, max_extend_tokens=8, policy=policy)
     alone = [o.token_ids for o in llm.generate(batch, [greedy(3)] * len(batch),
                                                use_tqdm=False)]
+    mixed = llm.engine.stats().batches_mixed
     outputs = llm.generate(batch, params, use_tqdm=False)
+    assert (llm.engine.stats().batches_mixed > mixed) == (policy == "stall_free")
     llm.close()
     assert [o.token_ids for o in outputs] == alone
     for prompt, p, out in zip(batch, params, outputs):
