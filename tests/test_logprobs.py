@@ -74,6 +74,18 @@ def check_prompt(model_dir: Path, prompt: list[int], out: RequestOutput, k: int)
         check_entry(entry, reference[i - 1], prompt[i], k)
 
 
+def same_entries(got: Sequence[TokenLogprob | None] | None,
+                 want: Sequence[TokenLogprob | None] | None) -> None:
+    """The same tokens and alternatives, values within float32 rounding of another run."""
+    assert (got is None) == (want is None)
+    for a, b in zip(got or [], want or [], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert a.token == b.token and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert abs(a.logprob - b.logprob) <= 1e-5
+            assert all(abs(x - y) <= 1e-5 for (_, x), (_, y) in zip(a.top, b.top))
+
+
 def prompts(seed: int, count: int, low: int = 2, high: int = 40) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(rng.randrange(low, high))]
@@ -305,3 +317,36 @@ def test_generate_route_returns_logprobs_whole_and_streamed(tiny_chat_llama_dir:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+async def test_the_engine_cores_fronts_get_the_in_process_logprobs(tiny_llama_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """Over ZeroMQ, whole and streamed, with requests asking for none beside: the same
+    logprobs and prompt logprobs as in-process, a scoring request's included."""
+    from tests.test_engine_core import Served
+
+    batch = prompts(9, 12)
+    params = [greedy(5, logprobs=2), greedy(5), greedy(5, prompt_logprobs=3, logprobs=0),
+              SamplingParams(max_tokens=0, prompt_logprobs=1)] * 3
+    options = {**OPTIONS, "max_extend_tokens": 16}
+    async with AsyncEngine(str(tiny_llama_dir), skip_tokenizer_init=True, **options) as engine:
+        expected = [await engine.generate(p, q) for p, q in zip(batch, params)]
+    async with Served(AsyncEngine(str(tiny_llama_dir), skip_tokenizer_init=True, **options),
+                      tmp_path, 1) as served:
+        client = served.clients[0]
+        whole = [await client.generate(p, q) for p, q in zip(batch, params)]
+        streamed = []
+        for p, q in zip(batch, params):
+            streamed.append([d async for d in client.stream(p, q)])
+    for want, got, deltas in zip(expected, whole, streamed):
+        final = deltas[-1].output
+        assert final is not None
+        for out in (got, final):
+            assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason)
+            same_entries(out.logprobs, want.logprobs)
+            same_entries(out.prompt_logprobs, want.prompt_logprobs)
+        if want.logprobs is not None:
+            same_entries([e for d in deltas for e in d.logprobs or []], want.logprobs)
+    assert expected[3].token_ids == [] and expected[3].prompt_logprobs is not None
+    check_prompt(tiny_llama_dir, batch[3], expected[3], 1)
+    check_sampled(tiny_llama_dir, batch[0], expected[0], 2)
