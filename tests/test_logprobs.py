@@ -74,6 +74,18 @@ def check_prompt(model_dir: Path, prompt: list[int], out: RequestOutput, k: int)
         check_entry(entry, reference[i - 1], prompt[i], k)
 
 
+def same_entries(got: Sequence[TokenLogprob | None] | None,
+                 want: Sequence[TokenLogprob | None] | None) -> None:
+    """The same tokens and alternatives, values within float32 rounding of another run."""
+    assert (got is None) == (want is None)
+    for a, b in zip(got or [], want or [], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert a.token == b.token and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert abs(a.logprob - b.logprob) <= 1e-5
+            assert all(abs(x - y) <= 1e-5 for (_, x), (_, y) in zip(a.top, b.top))
+
+
 def prompts(seed: int, count: int, low: int = 2, high: int = 40) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(rng.randrange(low, high))]
@@ -108,17 +120,22 @@ def test_sampled_logprobs_equal_transformers_in_a_mixed_batch(tiny_llama_dir: Pa
         assert out.prompt_logprobs is None
 
 
+@pytest.mark.parametrize("policy", ["prefill_first", "stall_free"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_prompt_logprobs_stitch_chunks_in_order(tiny_llama_dir: Path, overlap: bool) -> None:
+def test_prompt_logprobs_stitch_chunks_in_order(tiny_llama_dir: Path, overlap: bool,
+                                                policy: str) -> None:
     """Prompts of up to 60 tokens prefilled in chunks of at most 8 tokens, batched with
-    requests that score nothing: every prompt position is transformers'."""
+    requests that score nothing (stall_free: chunks beside decodes, in mixed batches):
+    every prompt position is transformers'."""
     batch = [*prompts(2, 6, low=9, high=60), [7]]
     params = [greedy(3, prompt_logprobs=(0, 2, 20)[i % 3], logprobs=i % 2 or None)
               if i % 3 != 1 else greedy(3) for i in range(len(batch))]
-    llm = tiny_llm(tiny_llama_dir, overlap=overlap, max_extend_tokens=8)
+    llm = tiny_llm(tiny_llama_dir, overlap=overlap, max_extend_tokens=8, policy=policy)
     alone = [o.token_ids for o in llm.generate(batch, [greedy(3)] * len(batch),
                                                use_tqdm=False)]
+    mixed = llm.engine.stats().batches_mixed
     outputs = llm.generate(batch, params, use_tqdm=False)
+    assert (llm.engine.stats().batches_mixed > mixed) == (policy == "stall_free")
     llm.close()
     assert [o.token_ids for o in outputs] == alone
     for prompt, p, out in zip(batch, params, outputs):
@@ -160,6 +177,38 @@ def test_max_tokens_0_scores_the_prompt_and_samples_nothing(tiny_llama_dir: Path
         assert outputs[i].finish_reason == "length" and outputs[i].token_ids == []
         check_prompt(tiny_llama_dir, batch[i], outputs[i], params[i].prompt_logprobs or 0)
     assert [outputs[1].token_ids, outputs[3].token_ids] == [alone[1], alone[3]]
+
+
+def test_preempted_requests_keep_their_logprobs_and_send_the_prompts_once(
+        tiny_llama_dir: Path) -> None:
+    """A scoring request preempted mid-prompt recomputes it and keeps what it had; one
+    preempted after its first token sends its prompt logprobs once; both equal
+    transformers'."""
+    llm = tiny_llm(tiny_llama_dir, max_extend_tokens=8)
+    sched = llm.scheduler
+    batch = prompts(8, 2, low=30, high=31)
+    params = greedy(4, prompt_logprobs=2, logprobs=1)
+    for uid, prompt in enumerate(batch):
+        sched.add_request(uid, prompt, params)
+    events = sched.step()           # request 0's first chunk
+    assert sched.preempt(0)         # mid-prompt
+    while not any(e.uid == 1 and e.token is not None for e in events):
+        events += sched.step()
+    assert sched.preempt(1)         # after its first token
+    while sched.has_work:
+        events += sched.step()
+    llm.close()
+    for uid, prompt in enumerate(batch):
+        mine = [e for e in events if e.uid == uid]
+        assert mine[-1].finish_reason == "length"
+        sent = [e.prompt_logprobs for e in mine if e.prompt_logprobs is not None]
+        assert len(sent) == 1
+        out = RequestOutput(uid, None, prompt, "", [e.token for e in mine if e.token is not None],
+                            "length", logprobs=[e.logprob for e in mine if e.logprob],
+                            prompt_logprobs=list(sent[0]))
+        assert len(out.token_ids) == 4
+        check_sampled(tiny_llama_dir, prompt, out, 1)
+        check_prompt(tiny_llama_dir, prompt, out, 2)
 
 
 def test_bad_logprob_fields_are_refused_by_name() -> None:
@@ -268,3 +317,36 @@ def test_generate_route_returns_logprobs_whole_and_streamed(tiny_chat_llama_dir:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+async def test_the_engine_cores_fronts_get_the_in_process_logprobs(tiny_llama_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """Over ZeroMQ, whole and streamed, with requests asking for none beside: the same
+    logprobs and prompt logprobs as in-process, a scoring request's included."""
+    from tests.test_engine_core import Served
+
+    batch = prompts(9, 12)
+    params = [greedy(5, logprobs=2), greedy(5), greedy(5, prompt_logprobs=3, logprobs=0),
+              SamplingParams(max_tokens=0, prompt_logprobs=1)] * 3
+    options = {**OPTIONS, "max_extend_tokens": 16}
+    async with AsyncEngine(str(tiny_llama_dir), skip_tokenizer_init=True, **options) as engine:
+        expected = [await engine.generate(p, q) for p, q in zip(batch, params)]
+    async with Served(AsyncEngine(str(tiny_llama_dir), skip_tokenizer_init=True, **options),
+                      tmp_path, 1) as served:
+        client = served.clients[0]
+        whole = [await client.generate(p, q) for p, q in zip(batch, params)]
+        streamed = []
+        for p, q in zip(batch, params):
+            streamed.append([d async for d in client.stream(p, q)])
+    for want, got, deltas in zip(expected, whole, streamed):
+        final = deltas[-1].output
+        assert final is not None
+        for out in (got, final):
+            assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason)
+            same_entries(out.logprobs, want.logprobs)
+            same_entries(out.prompt_logprobs, want.prompt_logprobs)
+        if want.logprobs is not None:
+            same_entries([e for d in deltas for e in d.logprobs or []], want.logprobs)
+    assert expected[3].token_ids == [] and expected[3].prompt_logprobs is not None
+    check_prompt(tiny_llama_dir, batch[3], expected[3], 1)
+    check_sampled(tiny_llama_dir, batch[0], expected[0], 2)

@@ -34,7 +34,6 @@ class Batch:
     params: Sequence[SamplingParams]
     steps: list[int]
     sample: list[bool] = field()
-
     scored: list[int] | None = None
 
     @sample.default
