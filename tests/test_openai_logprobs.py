@@ -168,23 +168,29 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client: Any, hf: torch.nn.Modu
         assert text[logprobs["text_offset"][i]:].startswith(logprobs["tokens"][i])
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_echo_with_one_new_token_as_lm_eval_sends_it(client: Any, hf: torch.nn.Module,
-                                                    tok: Tokenizer) -> None:
+                                                    tok: Tokenizer, stream: bool) -> None:
     # lm-evaluation-harness's loglikelihood: token ids in a list, echo, logprobs 1,
     # max_tokens 1; it sums token_logprobs[context:-1]. Twice: the prompt's pages are in the
     # prefix cache the second time, and it is scored the same.
     prompt = tok.encode(PROMPT + " Paris")
     rows = log_softmax(hf, prompt)
+    body = {"model": NAME, "prompt": [prompt], "max_tokens": 1, "echo": True, "logprobs": 1,
+            "temperature": 0.0, "seed": 1234}
     for _ in range(2):
-        choice = client.completions.create(model=NAME, prompt=[prompt], max_tokens=1,
-                                           echo=True, logprobs=1, temperature=0.0,
-                                           seed=1234).choices[0]
-        values = choice.logprobs.token_logprobs
+        if stream:
+            text, logprobs = legacy_stream(client.completions.create(**body, stream=True))
+        else:
+            choice = client.completions.create(**body).choices[0]
+            text, logprobs = choice.text, choice.logprobs.model_dump()
+        values = logprobs["token_logprobs"]
         assert len(values) == len(prompt) + 1 and values[0] is None
         assert all(close(values[i], float(rows[i - 1, prompt[i]]))
                    for i in range(1, len(prompt)))
         assert close(values[-1], float(rows[-1].max()))
-        assert choice.text.startswith(tok.decode(prompt))
+        assert text.startswith(tok.decode(prompt))
+        assert logprobs["text_offset"][-1] == len(tok.decode(prompt))
 
 
 def test_echo_without_logprobs_prepends_the_prompt(client: Any) -> None:
