@@ -196,10 +196,12 @@ class ModelRunner:
         with torch.device("meta"):
             model = build_model(cfg, self.rotary, self.tp)
         module = cast(nn.Module, model)
-        module.to_empty(device="cpu").requires_grad_(False)
-        if self.config.load_format == "dummy":
+        if self.config.load_format == "dummy":  # made where it runs: no host copy of it
+            module.to_empty(device=self.device).requires_grad_(False)
+            module.to(dtype=self.dtype)
             init_dummy(module, self.config.seed)
         else:
+            module.to_empty(device="cpu").requires_grad_(False)
             model.load_weights(iter_safetensors(model_dir, model.rank_part))
         module.to(device=self.device, dtype=self.dtype).eval()
         if self.config.fp32_kernels:
