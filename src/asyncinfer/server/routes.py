@@ -15,7 +15,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -78,9 +78,13 @@ class _Encoder:
         return await self._run(functools.partial(
             self.tokenizer.encode, text, special_tokens=self.special_tokens))
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+                   continue_final_message: bool,
+                   template_kwargs: Mapping[str, Any]) -> list[int]:
         return await self._run(functools.partial(
-            self.tokenizer.apply_chat_template, messages, special_tokens=self.special_tokens))
+            self.tokenizer.apply_chat_template, messages, special_tokens=self.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs))
 
     async def _run(self, work: Callable[[], list[int]]) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self.pool, work)

@@ -23,7 +23,9 @@ class TextEncoder(Protocol):
     """Tokenizes what users send (off the event loop; their text never makes special tokens)."""
 
     async def encode(self, text: str) -> list[int]: ...
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    async def chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+                   continue_final_message: bool,
+                   template_kwargs: Mapping[str, Any]) -> list[int]: ...
 
 
 @frozen
@@ -60,7 +62,7 @@ async def chat(body: Mapping[str, Any], encoder: TextEncoder,
                limits: protocol.Limits) -> ParsedRequest:
     """A ``/v1/chat/completions`` body; without a length, the server's default applies."""
     req = protocol.validate(protocol.ChatCompletionRequest, body, limits)
-    ids = await encoder.chat(req.chat_messages())
+    ids = await encoder.chat(req.chat_messages(), **req.template_options())
     check_length(ids, limits.context_len, "messages")
     max_tokens = getattr(req, req.length_param)
     params = _params(req.sampling_options(), limits.default_max_tokens if max_tokens is None
