@@ -1,22 +1,31 @@
 """Chat templates as users drive them (``chat_template_kwargs``, ``add_generation_prompt``,
-``continue_final_message``): their refusals, the tokenizer's rendering, and ``asyncinfer
-serve`` on a tiny random Qwen3 with a Qwen3-style template, against transformers' rendering
-and greedy tokens."""
+``continue_final_message``) and the reasoning parsers (``--reasoning-parser``): the parser
+alone, through the openai SDK over a scripted engine, and through ``asyncinfer serve`` on a
+tiny random Qwen3 with a Qwen3-style template, against transformers' rendering and greedy
+tokens."""
 
 from __future__ import annotations
 
 import shutil
 import signal
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from asyncinfer.errors import InvalidRequestError
+from asyncinfer.api import RequestOutput
+from asyncinfer.errors import ConfigError, InvalidRequestError
+from asyncinfer.params import SamplingParams
 from asyncinfer.server import create_app
-from tests.test_server import StubEngine, assert_error_shape
+from asyncinfer.server.options import ServerOptions
+from asyncinfer.server.reasoning import PARSERS, parser
+from tests.test_server import Delta, StubEngine, assert_error_shape
 
 CHAT = "/v1/chat/completions"
 ASK = [{"role": "user", "content": "2 + 2?"}]
@@ -32,6 +41,147 @@ QWEN3_STYLE_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+# ---- the parser alone ---------------------------------------------------------------------
+
+def _streamed(name: str, pieces: list[str], thinking: bool = True) -> tuple[str, str]:
+    stream = parser(name, thinking=thinking).stream()
+    reasoning = content = ""
+    for piece in pieces:
+        r, c = stream.push(piece)
+        reasoning, content = reasoning + r, content + c
+    r, c = stream.finish()
+    return reasoning + r, content + c
+
+
+@pytest.mark.parametrize(("name", "text", "reasoning", "content"), [
+    ("qwen3", "<think>\nstep one\n</think>\n\nThe answer.", "\nstep one\n", "\n\nThe answer."),
+    ("qwen3", "The answer.", None, "The answer."),
+    ("qwen3", "\n<think>why</think>so", "why", "so"),
+    ("qwen3", "<think>still thinking", "still thinking", ""),
+    ("qwen3", "a </think> b", None, "a </think> b"),
+    ("qwen3", "<thin", None, "<thin"),
+    ("deepseek_r1", "step one\n</think>\n\nThe answer.", "step one\n", "\n\nThe answer."),
+    ("deepseek_r1", "<think>step one</think>The answer.", "step one", "The answer."),
+    ("deepseek_r1", "no end tag", "no end tag", ""),
+    ("deepseek_r1", "</think>only content", "", "only content"),
+    ("deepseek_r1", "a</think>b</think>c", "a", "b</think>c"),
+])
+def test_a_parser_splits_the_reasoning_block_off(name: str, text: str, reasoning: str | None,
+                                                  content: str) -> None:
+    split = parser(name).split(text)
+    assert (split.reasoning, split.content) == (reasoning, content)
+    assert _streamed(name, list(text)) == (reasoning or "", content)
+
+
+@pytest.mark.parametrize("name", PARSERS)
+def test_without_thinking_everything_is_content(name: str) -> None:
+    text = "<think>a</think>b"
+    split = parser(name, thinking=False).split(text)
+    assert (split.reasoning, split.content) == (None, text)
+    assert _streamed(name, [text[:3], text[3:]], thinking=False) == ("", text)
+
+
+_PIECES = st.sampled_from(["<think>", "</think>", "<", "</", "<th", "think", "ink>", ">", "/",
+                           "\n", " ", "a", "bc", "é", "日本"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(name=st.sampled_from(PARSERS), thinking=st.booleans(),
+       text=st.one_of(st.lists(_PIECES, max_size=14).map("".join), st.text(max_size=20)),
+       data=st.data())
+def test_any_cut_into_deltas_gives_the_whole_texts_split(name: str, thinking: bool, text: str,
+                                                         data: st.DataObject) -> None:
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8), label="cuts"))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    whole = parser(name, thinking=thinking).split(text)
+    assert _streamed(name, pieces, thinking) == (whole.reasoning or "", whole.content)
+
+
+def test_an_unknown_parser_is_a_cli_error_naming_the_known_ones() -> None:
+    result = subprocess.run([sys.executable, "-m", "asyncinfer.cli", "serve",
+                             "--reasoning-parser", "qwen2"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert "--reasoning-parser" in result.stderr
+    assert all(name in result.stderr for name in PARSERS), result.stderr
+    with pytest.raises(ConfigError, match="deepseek_r1, qwen3"):
+        ServerOptions(reasoning_parser="qwen2")
+
+
+# ---- through the openai SDK, over an engine whose output is scripted ----------------------
+
+class ScriptedEngine(StubEngine):
+    """Answers every request with the same text, in the given deltas."""
+
+    script: list[str]
+
+    async def stream(self, prompt: str | list[int],  # type: ignore[override]
+                     params: SamplingParams | None = None) -> AsyncIterator[Delta]:
+        assert isinstance(prompt, list)
+        self.prompts.append(prompt)
+        text = ""
+        for i, piece in enumerate(self.script):
+            text += piece
+            last = i == len(self.script) - 1
+            output = RequestOutput(len(self.prompts), None, prompt, text,
+                                   list(range(i + 1)), "stop") if last else None
+            yield Delta(piece, [i], "stop" if last else None, output)
+
+
+SCRIPT = ["<thi", "nk>\nLet me", " think.\n</", "think>\n\nIt is", " 4."]
+
+
+@pytest.fixture
+async def sdk(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Any, ScriptedEngine]]:
+    openai = pytest.importorskip("openai")
+    engine = ScriptedEngine()
+    engine.script = SCRIPT
+    options = ServerOptions(reasoning_parser=request.param)
+    async with TestClient(TestServer(create_app(engine, options=options))) as client, \
+            openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused",
+                               max_retries=0) as sdk_client:
+        yield sdk_client, engine
+
+
+@pytest.mark.parametrize("sdk", ["qwen3", "deepseek_r1"], indirect=True)
+@pytest.mark.parametrize("thinking", [None, True, False])
+async def test_reasoning_content_whole_and_streamed(sdk: tuple[Any, ScriptedEngine],
+                                                    thinking: bool | None) -> None:
+    client, _ = sdk
+    extra = {} if thinking is None else {"chat_template_kwargs": {"enable_thinking": thinking}}
+    whole = (await client.chat.completions.create(
+        model="stub-model", messages=ASK, extra_body=extra)).choices[0].message
+    chunks = [c async for c in await client.chat.completions.create(
+        model="stub-model", messages=ASK, stream=True, extra_body=extra)]
+    deltas = [c.choices[0].delta for c in chunks]
+    streamed_reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    streamed_content = "".join(d.content or "" for d in deltas)
+    if thinking is False:  # no block asked for: everything is the answer
+        assert (whole.reasoning_content, whole.content) == (None, "".join(SCRIPT))
+        assert (streamed_reasoning, streamed_content) == ("", "".join(SCRIPT))
+        return
+    assert (whole.reasoning_content, whole.content) == ("\nLet me think.\n", "\n\nIt is 4.")
+    assert (streamed_reasoning, streamed_content) == ("\nLet me think.\n", "\n\nIt is 4.")
+    # The reasoning comes first, then the content; no delta holds a piece of a tag.
+    kinds = ["r" if getattr(d, "reasoning_content", None) else "c" for d in deltas
+             if getattr(d, "reasoning_content", None) or d.content]
+    assert kinds == sorted(kinds, reverse=True) and {"r", "c"} == set(kinds)
+    assert deltas[0].role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert not any("think>" in (d.content or "") + (getattr(d, "reasoning_content", None)
+                                                    or "") for d in deltas)
+
+
+async def test_without_a_parser_the_think_block_stays_in_content() -> None:
+    engine = ScriptedEngine()
+    engine.script = SCRIPT
+    async with TestClient(TestServer(create_app(engine))) as client:
+        resp = await client.post(CHAT, json={"messages": ASK})
+        message = (await resp.json())["choices"][0]["message"]
+    assert message["content"] == "".join(SCRIPT)
+    assert "reasoning_content" not in message
 
 
 # ---- the fields' refusals -----------------------------------------------------------------
@@ -209,7 +359,7 @@ def tiny_qwen3_chat_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFact
 def qwen3_server(tiny_qwen3_chat_dir: Path) -> Iterator[str]:
     from tests.test_server_process import start_server
 
-    proc, url = start_server(tiny_qwen3_chat_dir)
+    proc, url = start_server(tiny_qwen3_chat_dir, "--reasoning-parser", "qwen3")
     try:
         yield url
     finally:
@@ -250,6 +400,8 @@ def test_the_server_renders_and_generates_as_transformers(
     whole = client.chat.completions.create(**body)
     assert whole.usage.prompt_tokens == len(prompt)
     assert whole.usage.completion_tokens == MAX_TOKENS
+    # The random model opens no think block: with the qwen3 parser all of it is content.
     assert whole.choices[0].message.content == expected
+    assert whole.choices[0].message.reasoning_content is None
     chunks = list(client.chat.completions.create(**body, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected

@@ -84,6 +84,11 @@ class ChatTemplateFields(BaseModel):
                 "continue_final_message": bool(self.continue_final_message),
                 "template_kwargs": self.chat_template_kwargs or {}}
 
+    @property
+    def thinking(self) -> bool:
+        """False when the request turned reasoning off (``enable_thinking: false``)."""
+        return (self.chat_template_kwargs or {}).get("enable_thinking") is not False
+
     def template_chars(self) -> int:
         """The characters of the template variables' strings (they join the prompt)."""
         return _characters(self.chat_template_kwargs)
