@@ -355,13 +355,15 @@ def tiny_qwen3_chat_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFact
     return path
 
 
-@pytest.fixture(scope="module")
-def qwen3_server(tiny_qwen3_chat_dir: Path) -> Iterator[str]:
+@pytest.fixture(scope="module", params=["qwen3", "deepseek_r1"])
+def served(request: pytest.FixtureRequest, tiny_qwen3_chat_dir: Path) -> Iterator[
+        tuple[str, str]]:
+    """The server's URL and its --reasoning-parser."""
     from tests.test_server_process import start_server
 
-    proc, url = start_server(tiny_qwen3_chat_dir, "--reasoning-parser", "qwen3")
+    proc, url = start_server(tiny_qwen3_chat_dir, "--reasoning-parser", request.param)
     try:
-        yield url
+        yield url, request.param
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
@@ -377,14 +379,17 @@ SERVED = [
 
 @pytest.mark.parametrize(("case", "messages", "extra"), SERVED, ids=[s[0] for s in SERVED])
 def test_the_server_renders_and_generates_as_transformers(
-        qwen3_server: str, tiny_qwen3_chat_dir: Path, case: str,
+        served: tuple[str, str], tiny_qwen3_chat_dir: Path, case: str,
         messages: list[dict[str, str]], extra: dict[str, Any]) -> None:
+    """The random model writes no tags: qwen3 finds no block (all is content); deepseek_r1
+    starts inside one that never closes (all is reasoning), unless thinking is off."""
     openai = pytest.importorskip("openai")
     from transformers import AutoTokenizer
 
     from tests.hf_reference import hf_greedy, load_hf
     from tests.test_server_process import NAME
 
+    url, reasoning_parser = served
     hf_tok = AutoTokenizer.from_pretrained(tiny_qwen3_chat_dir)
     kwargs = extra.get("chat_template_kwargs", {})
     continued = bool(extra.get("continue_final_message"))
@@ -393,15 +398,20 @@ def test_the_server_renders_and_generates_as_transformers(
         continue_final_message=continued, tokenize=True, return_dict=False, **kwargs)
     expected = hf_tok.decode(hf_greedy(load_hf(tiny_qwen3_chat_dir), prompt, MAX_TOKENS),
                              skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert "<think>" not in expected and "</think>" not in expected
+    as_reasoning = reasoning_parser == "deepseek_r1" and kwargs.get("enable_thinking") is not False
 
-    client = openai.OpenAI(base_url=f"{qwen3_server}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     body = {"model": NAME, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.0,
             "extra_body": {"ignore_eos": True, **extra}}
     whole = client.chat.completions.create(**body)
     assert whole.usage.prompt_tokens == len(prompt)
     assert whole.usage.completion_tokens == MAX_TOKENS
-    # The random model opens no think block: with the qwen3 parser all of it is content.
-    assert whole.choices[0].message.content == expected
-    assert whole.choices[0].message.reasoning_content is None
-    chunks = list(client.chat.completions.create(**body, stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    message = whole.choices[0].message
+    assert (message.reasoning_content, message.content) == (
+        (expected, "") if as_reasoning else (None, expected))
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**body, stream=True)
+              if c.choices]
+    streamed = ("".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+                "".join(d.content or "" for d in deltas))
+    assert streamed == ((expected, "") if as_reasoning else ("", expected))
