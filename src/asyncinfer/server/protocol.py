@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from asyncinfer.params import BOUNDS, MAX_TENANT_CHARS, MIN_TEMPERATURE
+from asyncinfer.server.chat_template import ChatTemplateFields
 from asyncinfer.server.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
@@ -286,7 +287,7 @@ class ChatMessage(_Strict):
         return self.content
 
 
-class ChatCompletionRequest(_OpenAISampling):
+class ChatCompletionRequest(_OpenAISampling, ChatTemplateFields):
     """``POST /v1/chat/completions``; without a length the server's default applies."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -301,7 +302,7 @@ class ChatCompletionRequest(_OpenAISampling):
     @model_validator(mode="after")
     def _fits_by_characters(self, info: ValidationInfo) -> ChatCompletionRequest:
         limits = _limits(info)
-        chars = sum(len(m.text()) for m in self.messages)
+        chars = sum(len(m.text()) for m in self.messages) + self.template_chars()
         if chars > limits.max_prompt_chars:
             raise too_long_by_characters(chars, limits, "messages")
         return self

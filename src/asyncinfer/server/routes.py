@@ -15,7 +15,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from aiohttp import web
 from attrs import frozen
 
 import asyncinfer.server.protocol as protocol
+import asyncinfer.server.reasoning as reasoning
 import asyncinfer.server.translate as translate
 from asyncinfer.errors import ConfigError, EngineError
 from asyncinfer.server.backend import GenerateBackend
@@ -78,9 +79,13 @@ class _Encoder:
         return await self._run(functools.partial(
             self.tokenizer.encode, text, special_tokens=self.special_tokens))
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+                   continue_final_message: bool,
+                   template_kwargs: Mapping[str, Any]) -> list[int]:
         return await self._run(functools.partial(
-            self.tokenizer.apply_chat_template, messages, special_tokens=self.special_tokens))
+            self.tokenizer.apply_chat_template, messages, special_tokens=self.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs))
 
     async def _run(self, work: Callable[[], list[int]]) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self.pool, work)
@@ -137,7 +142,10 @@ class Routes:
 
     async def chat(self, call: Call) -> web.StreamResponse:
         parsed = await self._parse(call, self._checking_model(translate.chat))
-        return await self._openai(call, parsed, translate.Formatter.new(True, self.served_name))
+        parser = self.options.reasoning_parser
+        split = None if parser is None else reasoning.parser(parser, thinking=parsed.thinking)
+        return await self._openai(call, parsed,
+                                  translate.Formatter.new(True, self.served_name, split))
 
     def _checking_model(self, parse: Parse) -> Parse:
         async def checked(body: dict[str, Any], encoder: translate.TextEncoder,
@@ -169,11 +177,23 @@ class Routes:
         if not parsed.stream:
             return web.json_response(fmt.response(await self._run(call, parsed)))
 
+        splits: dict[int, reasoning.ReasoningStream] = {}  # by choice
+
         def chunks(delta: StreamDelta, first: bool) -> list[Any]:
             out = []
-            if first or delta.text or delta.finish_reason is not None:
-                out.append(fmt.chunk(delta.text, delta.finish_reason, first=first,
-                                     include_usage=parsed.include_usage))
+            text, thought = delta.text, ""
+            if fmt.reasoning is not None:
+                index = getattr(delta, "index", 0)
+                split = splits.get(index)
+                if split is None:
+                    split = splits[index] = fmt.reasoning.stream()
+                thought, text = split.push(delta.text)
+                if delta.finish_reason is not None:
+                    more_thought, more_text = split.finish()
+                    thought, text = thought + more_thought, text + more_text
+            if first or text or thought or delta.finish_reason is not None:
+                out.append(fmt.chunk(text, delta.finish_reason, first=first,
+                                     include_usage=parsed.include_usage, reasoning=thought))
             if delta.output is not None and parsed.include_usage:
                 out.append(fmt.usage_chunk(delta.output))
             return out

@@ -14,6 +14,7 @@ import asyncinfer.server.protocol as protocol
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import SamplingParams
 from asyncinfer.server.errors import APIError, bad_request
+from asyncinfer.server.reasoning import ReasoningParser
 
 if TYPE_CHECKING:
     from asyncinfer.api import RequestOutput
@@ -23,7 +24,9 @@ class TextEncoder(Protocol):
     """Tokenizes what users send (off the event loop; their text never makes special tokens)."""
 
     async def encode(self, text: str) -> list[int]: ...
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    async def chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+                   continue_final_message: bool,
+                   template_kwargs: Mapping[str, Any]) -> list[int]: ...
 
 
 @frozen
@@ -34,6 +37,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    thinking: bool = True  # False: a chat that asked for no reasoning (enable_thinking)
 
 
 def check_model(body: Mapping[str, Any], served: str) -> None:
@@ -60,12 +64,12 @@ async def chat(body: Mapping[str, Any], encoder: TextEncoder,
                limits: protocol.Limits) -> ParsedRequest:
     """A ``/v1/chat/completions`` body; without a length, the server's default applies."""
     req = protocol.validate(protocol.ChatCompletionRequest, body, limits)
-    ids = await encoder.chat(req.chat_messages())
+    ids = await encoder.chat(req.chat_messages(), **req.template_options())
     check_length(ids, limits.context_len, "messages")
     max_tokens = getattr(req, req.length_param)
     params = _params(req.sampling_options(), limits.default_max_tokens if max_tokens is None
                      else max_tokens)
-    return ParsedRequest(ids, params, bool(req.stream), req.include_usage)
+    return ParsedRequest(ids, params, bool(req.stream), req.include_usage, req.thinking)
 
 
 async def generate(body: Mapping[str, Any], encoder: TextEncoder,
@@ -128,12 +132,14 @@ class Formatter:
     model: str
     request_id: str
     created: int
+    reasoning: ReasoningParser | None = None  # a chat's, with --reasoning-parser
 
     @classmethod
-    def new(cls, chat: bool, model: str) -> Formatter:
+    def new(cls, chat: bool, model: str,
+            reasoning: ReasoningParser | None = None) -> Formatter:
         """A formatter with a fresh request id and the current time."""
         prefix = "chatcmpl" if chat else "cmpl"
-        return cls(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+        return cls(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), reasoning)
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": kind, "created": self.created,
@@ -144,19 +150,32 @@ class Formatter:
         choice: dict[str, Any] = {"index": 0, "logprobs": None,
                                   "finish_reason": output.finish_reason}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": output.text, "refusal": None}
+            choice["message"] = self.message(output.text)
         else:
             choice["text"] = output.text
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self._envelope(kind, [choice]), "usage": usage(output)}
 
+    def message(self, text: str) -> dict[str, Any]:
+        """A chat's whole message; with a reasoning parser, the reasoning apart."""
+        if self.reasoning is None:
+            return {"role": "assistant", "content": text, "refusal": None}
+        split = self.reasoning.split(text)
+        return {"role": "assistant", "content": split.content,
+                "reasoning_content": split.reasoning, "refusal": None}
+
     def chunk(self, text: str, finish_reason: str | None, *, first: bool = False,
-              include_usage: bool = False) -> dict[str, Any]:
-        """One stream chunk; a chat's first chunk also carries the assistant role."""
+              include_usage: bool = False, reasoning: str = "") -> dict[str, Any]:
+        """One stream chunk; a chat's first chunk also carries the assistant role;
+        ``reasoning``: the delta's reasoning text (``text`` its content)."""
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else (
                 {"content": text} if text else {})
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+                if not text:
+                    delta.pop("content", None)
             choice["delta"] = delta
         else:
             choice["text"] = text
