@@ -11,7 +11,7 @@ from typing import Protocol
 
 from attrs import field, frozen
 
-from asyncinfer.core import ErrorKind, Event, FinishReason
+from asyncinfer.core import ErrorKind, Event, FinishReason, TokenLogprob
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import SamplingParams
 from asyncinfer.tokenizer import Tokenizer
@@ -31,7 +31,9 @@ class RequestMetrics:
 @frozen
 class RequestOutput:
     """The result of one request; with finish_reason "error", ``error`` says what and
-    ``error_kind`` whose fault (see ``core.ErrorKind``)."""
+    ``error_kind`` whose fault (see ``core.ErrorKind``). ``logprobs``: one per output token
+    when ``params.logprobs`` is set; ``prompt_logprobs``: one per prompt token (the first
+    None) when ``params.prompt_logprobs`` is set (see ``core.TokenLogprob``)."""
 
     request_id: int
     prompt: str | None
@@ -43,16 +45,22 @@ class RequestOutput:
     cached_tokens: int = 0          # prompt tokens found in the prefix cache
     metrics: RequestMetrics | None = None
     error_kind: ErrorKind | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @frozen
 class StreamDelta:
-    """What one request produced since the last delta; the last one carries the output."""
+    """What one request produced since the last delta; the last one carries the output.
+    ``logprobs`` align with ``token_ids`` (when asked for); ``prompt_logprobs`` come once,
+    in the delta of the first token (or the last, for a request that samples none)."""
 
     text: str
     token_ids: list[int] = field(factory=list)
     finish_reason: FinishReason | None = None
     output: RequestOutput | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @frozen
@@ -87,12 +95,18 @@ class Collector:
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.first_token_time: float | None = None
         self.done: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
 
     def put_nowait(self, event: Event) -> None:
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = list(event.prompt_logprobs)
         if event.token is not None:
             self.tokens.append(event.token)
+            if event.logprob is not None:
+                self.logprobs.append(event.logprob)
             self.first_token_time = self.first_token_time or time.perf_counter()
         if event.finished and not self.done.done():
             self.done.set_result(event)
@@ -103,6 +117,8 @@ class TokenChannel:
 
     def __init__(self) -> None:
         self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._prompt_logprobs: list[TokenLogprob | None] | None = None
         self.last: Event | None = None
         self.first_token_time: float | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -110,8 +126,12 @@ class TokenChannel:
     def put_nowait(self, event: Event) -> None:
         if self.last is not None:
             return
+        if event.prompt_logprobs is not None:
+            self._prompt_logprobs = list(event.prompt_logprobs)
         if event.token is not None:
             self._tokens.append(event.token)
+            if event.logprob is not None:
+                self._logprobs.append(event.logprob)
             self.first_token_time = self.first_token_time or time.perf_counter()
         if event.finished:
             self.last = event
@@ -130,6 +150,13 @@ class TokenChannel:
         tokens, self._tokens = self._tokens, []
         return tokens, self.last
 
+    def take_logprobs(self) -> tuple[list[TokenLogprob], list[TokenLogprob | None] | None]:
+        """The logprobs of the tokens :meth:`take` just returned (called right after it),
+        and the prompt's if they came meanwhile."""
+        logprobs, self._logprobs = self._logprobs, []
+        prompt, self._prompt_logprobs = self._prompt_logprobs, None
+        return logprobs, prompt
+
 
 @frozen
 class _Request:
@@ -139,13 +166,17 @@ class _Request:
     params: SamplingParams
 
     def output(self, text: str, tokens: list[int], last: Event | None, reason: FinishReason,
-               arrival: float, first_token: float | None) -> RequestOutput:
+               arrival: float, first_token: float | None,
+               logprobs: list[TokenLogprob] | None = None,
+               prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
         error, kind, cached = ((last.error, last.error_kind, last.prefix_len)
                                if last is not None else (None, None, 0))
         return RequestOutput(
             self.uid, self.prompt if isinstance(self.prompt, str) else None, self.ids, text,
             tokens, reason, error, cached,
-            RequestMetrics(arrival, first_token, time.perf_counter()), kind)
+            RequestMetrics(arrival, first_token, time.perf_counter()), kind,
+            logprobs if self.params.logprobs is not None else None,
+            prompt_logprobs if self.params.prompt_logprobs is not None else None)
 
 
 class Front(ABC):
@@ -206,7 +237,8 @@ class Front(ABC):
             detok.finish()
             text = detok.text
         return request.output(text, collector.tokens, last, last.finish_reason, arrival,
-                              collector.first_token_time)
+                              collector.first_token_time, collector.logprobs,
+                              collector.prompt_logprobs)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None
                ) -> AsyncIterator[StreamDelta]:
@@ -228,10 +260,16 @@ class Front(ABC):
         detok = (tokenizer.detokenizer(request.params, request.ids)
                  if tokenizer is not None else None)
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        prompt_logprobs: list[TokenLogprob | None] | None = None
+        asks = request.params.logprobs is not None
         done = False
         try:
             while not done:
                 new, last = await channel.take()
+                new_logprobs, prompt = channel.take_logprobs()
+                logprobs += new_logprobs
+                prompt_logprobs = prompt if prompt is not None else prompt_logprobs
                 reason = last.finish_reason if last is not None else None
                 text = ""
                 if new:
@@ -242,8 +280,9 @@ class Front(ABC):
                             self.abort(request.uid)
                             reason = "stop"
                 if reason is None:
-                    if text or new:
-                        yield StreamDelta(text, new)
+                    if text or new or prompt is not None:
+                        yield StreamDelta(text, new, logprobs=new_logprobs if asks else None,
+                                          prompt_logprobs=prompt)
                     continue
                 done = True
                 full = ""
@@ -252,7 +291,8 @@ class Front(ABC):
                     full = detok.text
                     reason = "stop" if detok.stopped else reason
                 yield StreamDelta(text, new, reason, request.output(
-                    full, tokens, last, reason, arrival, channel.first_token_time))
+                    full, tokens, last, reason, arrival, channel.first_token_time, logprobs,
+                    prompt_logprobs), new_logprobs if asks else None, prompt)
         finally:
             if not done:  # cancelled, or the consumer stopped listening
                 self.abort(request.uid)

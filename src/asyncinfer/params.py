@@ -78,7 +78,7 @@ LOGIT_BIAS_BOUND = Bound(-100.0, 100.0, integer=False)
 # Fields the engine does not compute yet, with the value that asks for nothing: any other
 # value is refused, naming the field, rather than ignored.
 NOT_YET: Mapping[str, object] = MappingProxyType({
-    "n": 1, "best_of": None, "logprobs": None, "prompt_logprobs": None,
+    "n": 1, "best_of": None,
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
     "logit_bias": (), "min_tokens": 0, "stop_token_ids": ()})
 
@@ -133,7 +133,8 @@ class SamplingParams:
     are for policies. Outside :data:`BOUNDS`: InvalidRequestError naming the field.
 
     ``logprobs``: the sampled token's log-probability and this many top alternatives per
-    output token (None: none); ``prompt_logprobs`` likewise per prompt token. Both come from
+    output token (None: none); ``prompt_logprobs`` likewise per prompt token (with it,
+    ``max_tokens`` may be 0: the prompt is scored, nothing sampled). Both come from
     the model's raw log-softmax, before penalties, bias, temperature and filters (as vLLM's
     default). ``n`` choices are returned (the best ``n`` of ``best_of`` when set), sharing the
     prompt's prefill. Penalties follow OpenAI (presence, frequency: over the output so far) and
@@ -166,6 +167,10 @@ class SamplingParams:
         for name, bound in BOUNDS.items():
             value = getattr(self, name)
             if value is None and name == "seed":
+                continue
+            if name == "max_tokens" and _is_int(value) and value == 0:
+                _check(self.prompt_logprobs is not None, name, "may be 0 only with "
+                       "prompt_logprobs (a request that scores its prompt and samples none)")
                 continue
             _check(bound.holds(value), name, f"must be {bound.describe()}, got {value!r}")
         for name, bound in OPTIONAL_BOUNDS.items():
