@@ -24,7 +24,9 @@ class Batch:
     ``[starts[i], ends[i])``, reading its input ids from the token pool.
 
     Invariants: KV exists before ``starts[i]``; with ``sample[i]`` the sampled token is
-    written at ``ends[i]``; ``steps[i]`` counts the tokens sampled before (per-request seeds)."""
+    written at ``ends[i]``; ``steps[i]`` counts the tokens sampled before (per-request seeds);
+    the token pool's row holds the prompt at ``[0, prompt_lens[i])`` and the output so far
+    from there to ``ends[i]`` (what penalties count)."""
 
     rows: list[int]
     starts: list[int]
@@ -32,16 +34,22 @@ class Batch:
     params: Sequence[SamplingParams]
     steps: list[int]
     sample: list[bool] = field()
+    prompt_lens: list[int] = field()
 
     @sample.default
     def _sample_all(self) -> list[bool]:
         return [True] * len(self.rows)
 
+    @prompt_lens.default
+    def _prompt_before_steps(self) -> list[int]:
+        # A sampling row's positions before ``ends[i]`` are its prompt and ``steps[i]`` outputs.
+        return [e - s for e, s in zip(self.ends, self.steps)]
+
     def __attrs_post_init__(self) -> None:
         n = len(self.rows)
         assert n > 0, "empty batch"
         assert len(self.starts) == len(self.ends) == len(self.params) == len(self.steps) == n
-        assert len(self.sample) == n
+        assert len(self.sample) == len(self.prompt_lens) == n
         assert all(0 <= s < e for s, e in zip(self.starts, self.ends)), "empty extent"
         assert len(set(self.rows)) == n, "a row appears twice in one batch"
 

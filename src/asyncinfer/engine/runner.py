@@ -272,7 +272,8 @@ class ModelRunner:
             batch.phase, batch.size, len(host.positions))
         logits = (self._eager(batch, host, computing) if graph is None
                   else self._replay(batch, host, graph, computing))
-        tokens = self.sampler.sample(logits, batch.params, batch.steps)
+        adjusted = self.sampler.adjust(logits, batch, self.token_pool)
+        tokens = self.sampler.sample(adjusted, batch.params, batch.steps)
         self.token_pool.view(-1)[upload(host.write_index, self.device)] = tokens
         return tokens, logits
 

@@ -1,0 +1,203 @@
+"""Penalties, logit_bias, min_tokens and stop_token_ids: greedy outputs equal transformers'
+logits with the penalty formulas applied here (transformers' own processor for
+repetition_penalty); rows that ask for none keep their tokens whatever shares their batch;
+token ids outside the vocabulary are refused."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncinfer.core import Batch
+from asyncinfer.engine.sampler import Sampler
+from asyncinfer.errors import InvalidRequestError
+from asyncinfer.params import SamplingParams
+from tests.hf_reference import hf_last_logits, load_hf
+from tests.test_llm import tiny_llm
+
+TINY_EOS = 1  # tiny_llama_dir's eos_token_id
+
+
+def reference(hf: torch.nn.Module, prompt: list[int], params: SamplingParams,
+              eos: frozenset[int] = frozenset({TINY_EOS})) -> list[int]:
+    """Greedy tokens under ``params`` from transformers' logits: bias added, the ids
+    min_tokens holds back masked, then repetition (transformers' processor) and the OpenAI
+    presence and frequency penalties over the output, as vLLM orders them."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    out: list[int] = []
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+    for _ in range(params.max_tokens):
+        logits = hf_last_logits(hf, prompt + out).clone()
+        for token, bias in params.logit_bias:
+            logits[token] += bias
+        if len(out) < params.min_tokens:
+            logits[sorted(stops)] = float("-inf")
+        if params.repetition_penalty != 1.0:
+            processor = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
+            logits = processor(torch.tensor([prompt + out]), logits[None])[0]
+        for token, count in Counter(out).items():
+            logits[token] -= params.frequency_penalty * count + params.presence_penalty
+        token = int(logits.argmax())
+        out.append(token)
+        if token in stops and len(out) > params.min_tokens:
+            break
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    import random
+
+    rng = random.Random(3)
+    # Short alphabets make the random model repeat, so the penalties have work to do.
+    return [[rng.choice([7, 11, 13, 42]) for _ in range(rng.randrange(3, 30))]
+            for _ in range(3)] + [[rng.randrange(3, 500) for _ in range(45)]]
+
+
+def _greedy(**fields: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, **fields)
+
+
+PENALTIES = {
+    "presence": _greedy(presence_penalty=1.5),
+    "negative_presence": _greedy(presence_penalty=-1.0),
+    "frequency": _greedy(frequency_penalty=0.8),
+    "repetition": _greedy(repetition_penalty=1.4),
+    "repetition_below_1": _greedy(repetition_penalty=0.6),
+    "logit_bias": _greedy(logit_bias={5: 6.0, 9: -100.0, 17: 3.5, 42: -2.0}),
+    "all": SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5,
+                          frequency_penalty=0.5, repetition_penalty=1.2,
+                          logit_bias={TINY_EOS: 4.0, 30: 2.0}, min_tokens=5,
+                          stop_token_ids=[30]),
+}
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama_dir: Path) -> torch.nn.Module:
+    return load_hf(tiny_llama_dir)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
+def test_penalized_greedy_equals_transformers_with_the_formulas(
+        tiny_llama_dir: Path, hf: torch.nn.Module, overlap: bool, chunked: bool) -> None:
+    """Every penalty beside plain rows in one batch, under chunked prefill and overlap."""
+    prompts = _prompts()
+    cases = [(p, params) for params in [_greedy(), *PENALTIES.values()] for p in prompts]
+    expected = [reference(hf, p, params) for p, params in cases]
+    plain = expected[: len(prompts)]
+    for name, i in zip(PENALTIES, range(len(prompts), len(cases), len(prompts))):
+        assert expected[i: i + len(prompts)] != plain, f"{name} changes no output here"
+    llm = tiny_llm(tiny_llama_dir, max_running_requests=8, overlap=overlap,
+                   chunked_prefill=chunked, max_extend_tokens=16 if chunked else 128,
+                   cache_type="radix")
+    outputs = llm.generate([p for p, _ in cases], [params for _, params in cases],
+                           use_tqdm=False)
+    llm.close()
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_min_tokens_holds_eos_and_stop_token_ids_back(tiny_llama_dir: Path) -> None:
+    prompt = _prompts()[3]
+    forced = {TINY_EOS: 100.0}
+    llm = tiny_llm(tiny_llama_dir)
+    eos_now, eos_held, eos_ignored, stop_now, stop_held, unheld = llm.generate(
+        [prompt] * 6,
+        [SamplingParams(max_tokens=10, temperature=0.0, logit_bias=forced),
+         SamplingParams(max_tokens=10, temperature=0.0, logit_bias=forced, min_tokens=4),
+         SamplingParams(max_tokens=3, temperature=0.0, logit_bias=forced, min_tokens=2,
+                        ignore_eos=True),
+         SamplingParams(max_tokens=10, temperature=0.0, logit_bias={30: 100.0},
+                        stop_token_ids=[30]),
+         SamplingParams(max_tokens=10, temperature=0.0, logit_bias={30: 100.0},
+                        stop_token_ids=[30, 31], min_tokens=3),
+         SamplingParams(max_tokens=4, temperature=0.0, logit_bias={30: 100.0},
+                        min_tokens=3)],
+        use_tqdm=False)
+    llm.close()
+    assert (eos_now.token_ids, eos_now.finish_reason) == ([TINY_EOS], "stop")
+    assert eos_held.token_ids[4:] == [TINY_EOS] and eos_held.finish_reason == "stop"
+    assert TINY_EOS not in eos_held.token_ids[:4]
+    # ignore_eos: EOS is not held back, and does not stop.
+    assert (eos_ignored.token_ids, eos_ignored.finish_reason) == ([TINY_EOS] * 3, "length")
+    assert (stop_now.token_ids, stop_now.finish_reason) == ([30], "stop")
+    assert stop_held.token_ids[3:] == [30] and stop_held.finish_reason == "stop"
+    assert not {30, 31} & set(stop_held.token_ids[:3])
+    # min_tokens holds back only what would stop the request.
+    assert (unheld.token_ids, unheld.finish_reason) == ([30] * 4, "length")
+
+
+def _seeded(seed: int, **fields: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=seed,
+                          ignore_eos=True, **fields)
+
+
+def test_penalized_rows_change_no_other_rows_tokens(tiny_llama_dir: Path) -> None:
+    """Plain greedy and seeded rows, and a seeded penalized one, give their solo tokens
+    beside penalized and biased rows."""
+    prompts = _prompts()
+    own = [(prompts[0], _greedy()), (prompts[1], _seeded(11)), (prompts[3], _greedy()),
+           (prompts[2], _seeded(12, presence_penalty=1.0, logit_bias={7: -3.0}))]
+    others = [(prompts[1], _greedy(frequency_penalty=1.0, logit_bias={11: 50.0})),
+              (prompts[0], _seeded(5, repetition_penalty=1.5)),
+              (prompts[3], _greedy(presence_penalty=2.0, min_tokens=3)),
+              (prompts[2], SamplingParams(max_tokens=10, temperature=0.7,
+                                          logit_bias={13: 5.0}, stop_token_ids=[9]))]
+    llm = tiny_llm(tiny_llama_dir, max_running_requests=8)
+    solo = [llm.generate([p], [params], use_tqdm=False)[0].token_ids for p, params in own]
+    mixed = [(p, params) for pair in zip(own, others) for p, params in pair]
+    together = llm.generate([p for p, _ in mixed], [params for _, params in mixed],
+                            use_tqdm=False)
+    llm.close()
+    assert [o.token_ids for o in together[0::2]] == solo
+
+
+def test_adjust_leaves_raw_logits_and_plain_rows_bit_identical() -> None:
+    """The sampler's adjusted logits: plain rows are the raw ones, bit for bit, the raw
+    tensor is never written, and a penalized row is the formula over its token-pool row."""
+    torch.manual_seed(0)
+    vocab, width = 40, 16
+    pool = torch.randint(0, vocab, (5, width))
+    logits = torch.randn(4, vocab) * 3
+    raw = logits.clone()
+    params = [SamplingParams(), SamplingParams(presence_penalty=0.7, frequency_penalty=0.3,
+                                               repetition_penalty=1.3),
+              SamplingParams(), SamplingParams(logit_bias={3: 2.0, 39: -5.0})]
+    batch = Batch(rows=[2, 0, 4, 1], starts=[5, 9, 2, 3], ends=[6, 10, 3, 4], params=params,
+                  steps=[1, 4, 1, 1], prompt_lens=[5, 6, 2, 3])
+    adjusted = Sampler().adjust(logits, batch, pool)
+    assert torch.equal(logits, raw)
+    assert torch.equal(adjusted[[0, 2]], raw[[0, 2]])
+    seq = pool[0, :10].tolist()
+    row = raw[1].clone()
+    for token in set(seq):
+        row[token] = row[token] / 1.3 if row[token] > 0 else row[token] * 1.3
+    for token, count in Counter(seq[6:]).items():
+        row[token] -= 0.3 * count + 0.7
+    assert torch.allclose(adjusted[1], row, atol=1e-6)
+    biased = raw[3].clone()
+    biased[3] += 2.0
+    biased[39] -= 5.0
+    assert torch.equal(adjusted[3], biased)
+    assert Sampler().adjust(logits, Batch(rows=[0], starts=[0], ends=[3],
+                                          params=[SamplingParams()], steps=[0]), pool) is logits
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logit_bias": {512: 1.0}}, "logit_bias"),
+    ({"stop_token_ids": [3, 600]}, "stop_token_ids"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused(tiny_llama_dir: Path,
+                                                      fields: dict[str, Any],
+                                                      param: str) -> None:
+    llm = tiny_llm(tiny_llama_dir)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary") as caught:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **fields), use_tqdm=False)
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.close()
+    assert caught.value.param == param
+    assert len(out.token_ids) == 2
