@@ -1,11 +1,15 @@
 """Penalties, logit_bias, min_tokens and stop_token_ids: greedy outputs equal transformers'
 logits with the penalty formulas applied here (transformers' own processor for
 repetition_penalty); rows that ask for none keep their tokens whatever shares their batch;
-token ids outside the vocabulary are refused."""
+the openai client against a real server; the 400s."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +20,10 @@ from asyncinfer.core import Batch
 from asyncinfer.engine.sampler import Sampler
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import SamplingParams
+from asyncinfer.tokenizer import Tokenizer
 from tests.hf_reference import hf_last_logits, load_hf
 from tests.test_llm import tiny_llm
+from tests.test_server_process import NAME, start_server
 
 TINY_EOS = 1  # tiny_llama_dir's eos_token_id
 
@@ -201,3 +207,144 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny_llama_dir: Path,
     llm.close()
     assert caught.value.param == param
     assert len(out.token_ids) == 2
+
+
+# The embedded SmolLM2 through a real server and the openai client.
+
+REPEATS = "List the colors: red, blue, red, blue, red,"
+
+
+@pytest.fixture(scope="module")
+def server(served_model: Path) -> Iterator[str]:
+    import signal
+
+    proc, url = start_server(served_model)
+    try:
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> Any:
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served_model: Path) -> Tokenizer:
+    return Tokenizer.from_pretrained(served_model)
+
+
+def test_openai_logit_bias_forces_a_token(client: Any, tokenizer: Tokenizer) -> None:
+    [token] = tokenizer.encode(" banana")
+    whole = client.completions.create(model=NAME, prompt="My favourite fruit is", max_tokens=4,
+                                      temperature=0.0, logit_bias={str(token): 100})
+    assert whole.choices[0].text == " banana" * 4
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=3,
+        temperature=0.0, logit_bias={str(token): 100}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == (
+        " banana" * 3)
+
+
+def test_openai_presence_penalty_changes_a_repetitive_output(client: Any) -> None:
+    def words(**extra: Any) -> list[str]:
+        text = client.completions.create(model=NAME, prompt=REPEATS, max_tokens=24, temperature=0.0,
+                                         **extra).choices[0].text
+        return text.replace(",", " ").split()
+
+    plain, penalized = words(), words(presence_penalty=2.0, frequency_penalty=1.0)
+    assert len(set(plain)) <= 3 and len(plain) >= 6, plain  # the model repeats here
+    assert penalized != plain
+    assert len(set(penalized)) > len(set(plain))
+
+
+def test_openai_min_tokens_holds_eos_back(client: Any) -> None:
+    eos = {"2": 100}  # <|im_end|>, the embedded model's EOS
+    now = client.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=0.0,
+                                    logit_bias=eos)
+    held = client.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=0.0,
+                                     logit_bias=eos, extra_body={"min_tokens": 5})
+    assert (now.usage.completion_tokens, now.choices[0].finish_reason) == (1, "stop")
+    assert (held.usage.completion_tokens, held.choices[0].finish_reason) == (6, "stop")
+    assert held.choices[0].text and now.choices[0].text == ""
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_openai_stop_token_ids_stop_without_their_text(client: Any, server: str,
+                                                       tokenizer: Tokenizer,
+                                                       stream: bool) -> None:
+    prompt = tokenizer.encode("The capital of France is")
+    status, plain = _post(server, "/generate", {"input_ids": prompt, "sampling_params": {
+        "max_tokens": 8, "temperature": 0.0}})
+    assert status == 200
+    ids = plain["token_ids"]
+    stop = next(t for i, t in enumerate(ids) if i >= 2 and t not in ids[:i])
+    at = ids.index(stop)
+    request = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+               "extra_body": {"stop_token_ids": [stop]}}
+    if stream:
+        chunks = list(client.completions.create(model=NAME, stream=True, **request))
+        got = "".join(c.choices[0].text for c in chunks if c.choices)
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        whole = client.completions.create(model=NAME, **request)
+        got, reason = whole.choices[0].text, whole.choices[0].finish_reason
+        assert whole.usage.completion_tokens == at + 1
+    assert (got, reason) == (tokenizer.decode(ids[:at]), "stop")
+    assert got != plain["text"]
+
+
+def _post(server: str, route: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(f"{server}{route}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_generate_takes_the_vllm_extensions(server: str) -> None:
+    base = {"input_ids": [1, 504, 3458, 282], "sampling_params": {
+        "max_tokens": 6, "temperature": 0.0, "logit_bias": {"2": 100.0}}}
+    status, now = _post(server, "/generate", base)
+    assert status == 200 and (now["token_ids"], now["finish_reason"]) == ([2], "stop"), now
+    held = {**base["sampling_params"], "min_tokens": 3, "repetition_penalty": 1.3,
+            "stop_token_ids": [2]}
+    status, out = _post(server, "/generate", {**base, "sampling_params": held})
+    assert status == 200 and out["token_ids"][3:] == [2], out
+    assert out["finish_reason"] == "stop" and 2 not in out["token_ids"][:3]
+
+
+BAD = [
+    ({"logit_bias": {"42": 101}}, "logit_bias"),
+    ({"logit_bias": {"49152": 1}}, "logit_bias"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stop_token_ids": [49152]}, "stop_token_ids"),
+    ({"stop_token_ids": ["2"]}, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("fields, param", BAD, ids=[f"{p}-{i}" for i, (_, p) in
+                                                     enumerate(BAD)])
+def test_bad_values_are_400s_naming_the_field(client: Any, server: str,
+                                              fields: dict[str, Any], param: str) -> None:
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=NAME, prompt="Hi", extra_body=fields)
+    assert caught.value.body["param"] == param, caught.value.body
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                       extra_body=fields)
+    assert caught.value.body["param"] == param, caught.value.body
+    status, body = _post(server, "/generate", {"prompt": "Hi", "sampling_params": fields})
+    assert status == 400 and body["error"]["param"] == f"sampling_params.{param}", body
