@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from asyncinfer.api import LLM
 from asyncinfer.core import Batch
 from asyncinfer.engine.sampler import Sampler
 from asyncinfer.errors import InvalidRequestError
@@ -207,6 +208,37 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny_llama_dir: Path,
     llm.close()
     assert caught.value.param == param
     assert len(out.token_ids) == 2
+
+
+def test_two_ranks_give_one_ranks_penalized_tokens(tiny_llama_dir: Path,
+                                                   hf: torch.nn.Module) -> None:
+    """Every rank adjusts its own copy of the logits from its own token pool: the ranks
+    agree on every batch (checked each round) and give the reference's tokens."""
+    prompts = _prompts()
+    cases = [(p, params) for params in PENALTIES.values() for p in prompts[::2]]
+    llm = LLM(str(tiny_llama_dir), skip_tokenizer_init=True, tensor_parallel_size=2,
+              dtype="float32", page_size=4, max_running_requests=8, num_pages=256,
+              max_seq_len=128, tp_guard_interval=1)
+    outputs = llm.generate([p for p, _ in cases], [params for _, params in cases],
+                           use_tqdm=False)
+    llm.close()
+    assert [o.token_ids for o in outputs] == [reference(hf, p, params) for p, params in cases]
+
+
+async def test_the_engine_core_refuses_ids_outside_the_vocabulary_as_an_event(
+        tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Past the front (whose tokenizer may know fewer ids), the core answers "invalid"."""
+    from tests.test_async_engine import tiny_engine
+    from tests.test_engine_core import Served
+
+    async with Served(tiny_engine(tiny_llama_dir), tmp_path, 1) as served:
+        client = served.clients[0]
+        bad = await client.generate([5, 6, 7], SamplingParams(max_tokens=2,
+                                                              stop_token_ids=[512]))
+        good = await client.generate([5, 6, 7], SamplingParams(max_tokens=2))
+    assert (bad.finish_reason, bad.error_kind) == ("error", "invalid")
+    assert bad.error is not None and "stop_token_ids" in bad.error
+    assert (good.finish_reason, len(good.token_ids)) == ("length", 2)
 
 
 # The embedded SmolLM2 through a real server and the openai client.
