@@ -295,7 +295,8 @@ class ModelRunner:
             if len(wanted) < batch.size:
                 index = device_tensor(wanted, torch.int64, self.device)
             raw = raw_logprobs(logits if index is None else logits[index])
-        tokens = self.sampler.sample(logits, batch.params, batch.steps)
+        adjusted = self.sampler.adjust(logits, batch, self.token_pool)
+        tokens = self.sampler.sample(adjusted, batch.params, batch.steps)
         self.token_pool.view(-1)[upload(host.write_index, self.device)] = tokens
         logprobs = None
         if raw is not None:

@@ -80,7 +80,7 @@ async def generate(body: Mapping[str, Any], encoder: TextEncoder,
     param = "prompt" if req.prompt is not None else "input_ids"
     ids = await _prompt_ids(getattr(req, param), encoder, limits, param)
     options = req.sampling_params or protocol.NativeSampling()
-    params = _params(options.sampling_options(), options.max_tokens)
+    params = _params(options.sampling_options(), options.max_tokens, "sampling_params.")
     return ParsedRequest(ids, params, bool(req.stream), include_usage=True)
 
 
@@ -109,11 +109,16 @@ def with_tenant(gen: ParsedRequest, tenant: str, param: str) -> ParsedRequest:
         raise bad_request(str(exc).replace("tenant", param, 1), param) from exc
 
 
-def _params(options: Mapping[str, Any], max_tokens: int | None) -> SamplingParams:
+def _params(options: Mapping[str, Any], max_tokens: int | None,
+            prefix: str = "") -> SamplingParams:
     """SamplingParams of fields the request models checked; without ``max_tokens``, its
-    default."""
+    default (``prefix``: where the fields sit in the body)."""
     length = {} if max_tokens is None else {"max_tokens": max_tokens}
-    return SamplingParams.prechecked(**options, **length)
+    params = SamplingParams.prechecked(**options, **length)
+    if params.min_tokens > params.max_tokens:
+        raise bad_request(f"min_tokens ({params.min_tokens}) must be at most the output "
+                          f"length ({params.max_tokens})", f"{prefix}min_tokens")
+    return params
 
 
 def usage(output: RequestOutput) -> dict[str, Any]:
