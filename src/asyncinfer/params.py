@@ -167,8 +167,9 @@ class SamplingParams:
             if value is None and name == "seed":
                 continue
             if name == "max_tokens" and _is_int(value) and value == 0:
-                _check(self.prompt_logprobs is not None, name, "may be 0 only with "
-                       "prompt_logprobs (a request that scores its prompt and samples none)")
+                _check(self.prompt_logprobs is not None, name,
+                       f"must be {bound.describe()}, or 0 with prompt_logprobs (a request "
+                       "that scores its prompt and samples nothing), got 0")
                 continue
             _check(bound.holds(value), name, f"must be {bound.describe()}, got {value!r}")
         for name, bound in OPTIONAL_BOUNDS.items():
