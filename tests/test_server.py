@@ -34,10 +34,12 @@ class StubTokenizer:
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         return [ord(c) % VOCAB for c in text]
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            special_tokens: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]], special_tokens: bool = True,
+                            *, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return self.encode(text + "<assistant>")
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
 
 @frozen

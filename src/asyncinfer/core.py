@@ -24,9 +24,11 @@ class Batch:
     ``[starts[i], ends[i])``, reading its input ids from the token pool.
 
     Invariants: KV exists before ``starts[i]``; with ``sample[i]`` the sampled token is
-    written at ``ends[i]``; ``steps[i]`` counts the tokens sampled before (per-request seeds).
-    ``scored[i]``: how many positions from ``starts[i]`` on score the prompt token after
-    them (prompt logprobs); None when no request asks."""
+    written at ``ends[i]``; ``steps[i]`` counts the tokens sampled before (per-request seeds);
+    the token pool's row holds the prompt at ``[0, prompt_lens[i])`` and the output so far
+    from there to ``ends[i]`` (what penalties count). ``scored[i]``: how many positions from
+    ``starts[i]`` on score the prompt token after them (prompt logprobs); None when no
+    request asks."""
 
     rows: list[int]
     starts: list[int]
@@ -35,16 +37,22 @@ class Batch:
     steps: list[int]
     sample: list[bool] = field()
     scored: list[int] | None = None
+    prompt_lens: list[int] = field()
 
     @sample.default
     def _sample_all(self) -> list[bool]:
         return [True] * len(self.rows)
 
+    @prompt_lens.default
+    def _prompt_before_steps(self) -> list[int]:
+        # A sampling row's positions before ``ends[i]`` are its prompt and ``steps[i]`` outputs.
+        return [e - s for e, s in zip(self.ends, self.steps)]
+
     def __attrs_post_init__(self) -> None:
         n = len(self.rows)
         assert n > 0, "empty batch"
         assert len(self.starts) == len(self.ends) == len(self.params) == len(self.steps) == n
-        assert len(self.sample) == n
+        assert len(self.sample) == len(self.prompt_lens) == n
         assert self.scored is None or (len(self.scored) == n and all(
             0 <= c <= e - s for c, s, e in zip(self.scored, self.starts, self.ends)))
         assert all(0 <= s < e for s, e in zip(self.starts, self.ends)), "empty extent"

@@ -233,7 +233,7 @@ class Front(ABC):
         text = ""
         if self.tokenizer is not None:
             detok = self.tokenizer.detokenizer(request.params, request.ids)
-            detok.push(collector.tokens)
+            detok.push(_text_ids(collector.tokens, last, request.params))
             detok.finish()
             text = detok.text
         return request.output(text, collector.tokens, last, last.finish_reason, arrival,
@@ -275,7 +275,7 @@ class Front(ABC):
                 if new:
                     tokens += new
                     if detok is not None:
-                        text = detok.push(new)
+                        text = detok.push(_text_ids(new, last, request.params))
                         if detok.stopped and reason is None:  # a stop string matched
                             self.abort(request.uid)
                             reason = "stop"
@@ -296,3 +296,12 @@ class Front(ABC):
         finally:
             if not done:  # cancelled, or the consumer stopped listening
                 self.abort(request.uid)
+
+
+def _text_ids(tokens: list[int], last: Event | None, params: SamplingParams) -> list[int]:
+    """The ids whose text is shown: a stop token id that ended the request is not (it stays
+    in ``token_ids``), as EOS is skipped as a special token."""
+    if (last is not None and last.finish_reason == "stop" and tokens
+            and tokens[-1] in params.stop_token_ids):
+        return tokens[:-1]
+    return tokens

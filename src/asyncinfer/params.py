@@ -78,9 +78,7 @@ LOGIT_BIAS_BOUND = Bound(-100.0, 100.0, integer=False)
 # Fields the engine does not compute yet, with the value that asks for nothing: any other
 # value is refused, naming the field, rather than ignored.
 NOT_YET: Mapping[str, object] = MappingProxyType({
-    "n": 1, "best_of": None,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "logit_bias": (), "min_tokens": 0, "stop_token_ids": ()})
+    "n": 1, "best_of": None})
 
 
 def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -226,6 +224,15 @@ class SamplingParams:
         """Whether the sampler changes this row's logits (penalties or bias)."""
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0 or self.logit_bias)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse token ids the model cannot produce (``logit_bias``, ``stop_token_ids``)."""
+        bad = next((t for t, _ in self.logit_bias if t >= vocab_size), None)
+        _check(bad is None, "logit_bias",
+               f"has token id {bad} outside the vocabulary [0, {vocab_size})")
+        bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
+        _check(bad is None, "stop_token_ids",
+               f"has token id {bad} outside the vocabulary [0, {vocab_size})")
 
     @property
     def choices(self) -> int:

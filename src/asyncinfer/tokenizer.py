@@ -7,15 +7,61 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from asyncinfer.errors import InvalidRequestError, ModelNotFoundError
 from asyncinfer.params import SamplingParams
 
 _CONTEXT_TOKENS = 5  # prompt ids decoded before the first output (SentencePiece's space)
 _REPLACEMENT = "\ufffd"
+
+# Names a chat template's call binds itself (the template's variables and transformers'
+# parameters): a template variable of the request cannot take them.
+TEMPLATE_NAMES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "conversation", "conversations", "chat_template", "tokenize", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "sanitize_control_tokens"})
+
+
+@attrs.frozen
+class _ChatOptions:
+    """How one chat is rendered, besides its messages."""
+
+    add_generation_prompt: bool
+    continue_final_message: bool
+    kwargs: dict[str, Any]
+
+
+def _checked_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Template variables whose names a template can read and the call does not bind."""
+    kwargs = dict(kwargs or {})
+    for name in kwargs:
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise InvalidRequestError(f"chat_template_kwargs: {name!r} is not a name a "
+                                      f"template can read", param="chat_template_kwargs")
+        if name in TEMPLATE_NAMES:
+            raise InvalidRequestError(
+                f"chat_template_kwargs: {name!r} is set by the server (use the request's own "
+                f"field where there is one)", param="chat_template_kwargs")
+    return kwargs
+
+
+def _replace_strings(value: Any, needs: Callable[[str], bool],
+                     replace: Callable[[str], str]) -> Any:
+    """``value`` (nested lists and mappings) with each string that ``needs`` replaced."""
+    if isinstance(value, str):
+        return replace(value) if needs(value) else value
+    if isinstance(value, Mapping):
+        return {_replace_strings(k, needs, replace): _replace_strings(v, needs, replace)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_replace_strings(v, needs, replace) for v in value]
+    return value
 
 
 class Tokenizer:
@@ -56,9 +102,17 @@ class Tokenizer:
         return list(self._encoders[not special_tokens].encode(text).ids)
 
     def apply_chat_template(self, messages: list[dict[str, str]],
-                            special_tokens: bool = True) -> list[int]:
+                            special_tokens: bool = True, *,
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of the chat in the model's template, ending in the assistant turn; with
-        ``special_tokens=False`` the contents are plain text, the template's tokens stay."""
+        ``special_tokens=False`` the contents are plain text, the template's tokens stay.
+
+        ``add_generation_prompt=False`` leaves out the new assistant turn's header;
+        ``continue_final_message`` renders the last message (the assistant's) open, for the
+        model to continue; ``template_kwargs`` are more variables for the template (such as
+        Qwen3's ``enable_thinking``), user text too: their strings are plain text as well."""
         if not getattr(self.hf, "chat_template", None):
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template; send a plain prompt instead")
@@ -69,41 +123,92 @@ class Tokenizer:
                     and isinstance(message.get("content"), str)):
                 raise InvalidRequestError(
                     f"messages[{i}] must have a string 'role' and a string 'content'")
-        if special_tokens or not any(self._spells_special(m["content"]) for m in messages):
-            return list(self._render(messages, tokenize=True))
-        return self._render_content_as_text(messages)
+        chat = _ChatOptions(add_generation_prompt, continue_final_message,
+                            _checked_kwargs(template_kwargs))
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequestError(
+                    "continue_final_message and add_generation_prompt cannot both be true",
+                    param="continue_final_message")
+            if messages[-1]["role"] != "assistant":
+                raise InvalidRequestError(
+                    f"continue_final_message continues the assistant's last message, but the "
+                    f"last message is the {messages[-1]['role']!r}'s",
+                    param="continue_final_message")
+        if special_tokens or not (any(self._spells_special(m["content"]) for m in messages)
+                                  or self._spells_special_in(chat.kwargs)):
+            return list(self._render(messages, chat, tokenize=True))
+        return self._render_content_as_text(messages, chat)
 
-    def _render(self, messages: list[dict[str, str]], tokenize: bool) -> Any:
+    def _render(self, messages: list[dict[str, str]], chat: _ChatOptions,
+                tokenize: bool) -> Any:
         from jinja2 import TemplateError
 
         try:
             return self.hf.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=tokenize, return_dict=False)
+                messages, add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message, tokenize=tokenize,
+                return_dict=False, **chat.kwargs)
         except TemplateError as exc:
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from exc
+        except ValueError as exc:  # transformers' refusal: the template dropped the last text
+            if not chat.continue_final_message:
+                raise
+            raise InvalidRequestError(
+                f"continue_final_message: this chat template does not render the last "
+                f"message as sent, so it cannot be continued ({str(exc).splitlines()[0]})",
+                param="continue_final_message") from exc
+        except (ArithmeticError, LookupError, TypeError, AttributeError,
+                RecursionError) as exc:
+            if not chat.kwargs:
+                raise
+            # The template did something with a variable of the request that it cannot do.
+            raise InvalidRequestError(
+                f"the chat template failed on the chat_template_kwargs: "
+                f"{type(exc).__name__}: {exc}", param="chat_template_kwargs") from exc
 
     def _spells_special(self, text: str) -> bool:
         return any(token in text for token in self._special_texts)
+
+    def _spells_special_in(self, value: Any) -> bool:
+        """Whether a string in ``value`` (nested lists and mappings, keys too) spells one."""
+        if isinstance(value, str):
+            return self._spells_special(value)
+        if isinstance(value, Mapping):
+            return any(self._spells_special_in(k) or self._spells_special_in(v)
+                       for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return any(self._spells_special_in(v) for v in value)
+        return False
 
     @functools.cached_property
     def _special_texts(self) -> tuple[str, ...]:
         """Texts the tokenizer turns into added (special or control) tokens."""
         return tuple(t for t in self.hf.get_added_vocab() if t)
 
-    def _render_content_as_text(self, messages: list[dict[str, str]]) -> list[int]:
-        """Rendered with a placeholder per content; the template tokenized, contents as text.
-        Linear in the chat's size: one render, one split, two batched encodes."""
+    def _render_content_as_text(self, messages: list[dict[str, str]],
+                                chat: _ChatOptions) -> list[int]:
+        """Rendered with a placeholder per content (and per template variable's string that
+        spells a control token); the template tokenized, those texts as text. Linear in the
+        chat's size: one render, one split, two batched encodes."""
         nonce = uuid.uuid4().hex
-        while any(nonce in m["content"] for m in messages):  # a content that spells it
+        while any(nonce in m["content"] for m in messages) or nonce in repr(chat.kwargs):
             nonce = uuid.uuid4().hex
-        rendered = self._render([{**m, "content": f"\ue000{nonce}{i}\ue001"}
-                                 for i, m in enumerate(messages)], tokenize=False)
-        # Alternately the template's text and a message's index (a template may drop a
+        texts = [m["content"] for m in messages]
+
+        def placeholder(text: str) -> str:
+            texts.append(text)
+            return f"\ue000{nonce}{len(texts) - 1}\ue001"
+
+        marked = [{**m, "content": f"\ue000{nonce}{i}\ue001"} for i, m in enumerate(messages)]
+        kwargs = _replace_strings(chat.kwargs, self._spells_special, placeholder)
+        rendered = self._render(marked, attrs.evolve(chat, kwargs=kwargs), tokenize=False)
+        # Alternately the template's text and a text's index (a template may drop a
         # message, such as old reasoning turns).
         pieces = re.split(f"\ue000{nonce}(\\d+)\ue001", rendered)
         template, plain = self._encoders
         around = template.encode_batch(pieces[0::2], add_special_tokens=False)
-        contents = plain.encode_batch([messages[int(i)]["content"] for i in pieces[1::2]],
+        contents = plain.encode_batch([texts[int(i)] for i in pieces[1::2]],
                                       add_special_tokens=False)
         ids: list[int] = []
         for index, text in enumerate(around):

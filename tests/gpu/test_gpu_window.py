@@ -1,6 +1,7 @@
 """Sliding windows on a GPU: flashinfer, planned with ``window_left`` (eager and in CUDA
 graphs), gives the torch backend's tokens on a Mistral trained on alternation whose window
-of 64 is far shorter than its prompts, and close logits on random prompts."""
+of 64 is far shorter than its prompts, and close logits on random prompts; the torch backend
+in float32 gives transformers' tokens."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from asyncinfer.attention.flashinfer_backend import FlashInferBackend
 from asyncinfer.config import EngineConfig
 from asyncinfer.core import Batch
 from asyncinfer.engine.runner import ModelRunner
-from tests.gpu.conftest import _TRAINED_SHAPE, _train_alternation, alternating, needs_gpu
+from tests.gpu.conftest import _TRAINED_SHAPE, _train_alternation, needs_gpu
 from tests.gpu.test_gpu_engine import GREEDY, alternation_prompts, generate
-from tests.hf_reference import place_rows
+from tests.hf_reference import hf_greedy, load_hf, place_rows
 
 pytestmark = [pytest.mark.gpu, needs_gpu]
 
@@ -46,8 +47,17 @@ def test_flashinfer_window_equals_torch_backend(trained_mistral_dir: Path,
     reference, _ = generate(trained_mistral_dir, prompts, page_size=page_size,
                             attention_backend="torch")
     assert ours == reference
-    assert ours == [alternating((p[len(p) % 2], p[(len(p) + 1) % 2]), len(ours[0]))
-                    for p in prompts]
+
+
+def test_float32_window_on_cuda_is_transformers_greedy(trained_mistral_dir: Path) -> None:
+    """The torch backend on CUDA in float32, batched with radix hits, against transformers'
+    own windowed attention: what the bf16 comparison above takes as its reference."""
+    prompts = alternation_prompts()
+    ours, llm = generate(trained_mistral_dir, prompts, dtype="float32",
+                         attention_backend="torch", cuda_graph=False)
+    llm.close()
+    hf = load_hf(trained_mistral_dir)
+    assert ours == [hf_greedy(hf, p, len(ours[0])) for p in prompts]
 
 
 def test_flashinfer_window_logits_are_the_torch_backends(trained_mistral_dir: Path) -> None:

@@ -62,6 +62,7 @@ class AsyncEngine(Front):
         eos = (self.tokenizer.eos_token_ids if self.tokenizer is not None
                else _config_eos_ids(self.runner.model_config.hf_config))
         self.scheduler = Scheduler(self.runner, self.policy, self.config, eos)
+        self.runner.sampler.eos_token_ids = eos  # min_tokens holds back what stops a request
         self.overlap = self.config.overlap
         tp = self.runner.tp
         # A collective call: every rank builds its channel here, in the same order.
@@ -145,8 +146,16 @@ class AsyncEngine(Front):
 
     def submit(self, uid: int, prompt_ids: list[int], params: SamplingParams,
                channel: Channel) -> None:
-        """Queue a request under ``uid`` (unique among those open); events go to ``channel``."""
-        self._started().add(uid, prompt_ids, params, channel)
+        """Queue a request under ``uid`` (unique among those open); events go to ``channel``.
+        Token ids outside the model's vocabulary (``logit_bias``, ``stop_token_ids``):
+        InvalidRequestError naming the field."""
+        coordinator = self._started()
+        self.check_params(params)
+        coordinator.add(uid, prompt_ids, params, channel)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Refuse what this model cannot honour (InvalidRequestError naming the field)."""
+        params.check_vocab(self.runner.model_config.vocab_size)
 
     def _started(self) -> Coordinator:
         if self._coordinator is None:

@@ -196,10 +196,12 @@ class ModelRunner:
         with torch.device("meta"):
             model = build_model(cfg, self.rotary, self.tp)
         module = cast(nn.Module, model)
-        module.to_empty(device="cpu").requires_grad_(False)
-        if self.config.load_format == "dummy":
+        if self.config.load_format == "dummy":  # made where it runs: no host copy of it
+            module.to_empty(device=self.device).requires_grad_(False)
+            module.to(dtype=self.dtype)
             init_dummy(module, self.config.seed)
         else:
+            module.to_empty(device="cpu").requires_grad_(False)
             model.load_weights(iter_safetensors(model_dir, model.rank_part))
         module.to(device=self.device, dtype=self.dtype).eval()
         if self.config.fp32_kernels:
@@ -293,7 +295,8 @@ class ModelRunner:
             if len(wanted) < batch.size:
                 index = device_tensor(wanted, torch.int64, self.device)
             raw = raw_logprobs(logits if index is None else logits[index])
-        tokens = self.sampler.sample(logits, batch.params, batch.steps)
+        adjusted = self.sampler.adjust(logits, batch, self.token_pool)
+        tokens = self.sampler.sample(adjusted, batch.params, batch.steps)
         self.token_pool.view(-1)[upload(host.write_index, self.device)] = tokens
         logprobs = None
         if raw is not None:

@@ -1,4 +1,5 @@
-"""Next-token sampling for a batch: temperature, top-k, top-p, min-p and per-request seeds."""
+"""Next-token sampling for a batch: penalties, logit bias and min_tokens, then temperature,
+top-k, top-p, min-p and per-request seeds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import Tensor
 
 from asyncinfer.attention.host_to_device import upload
+from asyncinfer.core import Batch
 from asyncinfer.layers import triton_ops
 from asyncinfer.layers.fused import WARM_UP_ROWS, compiled, dynamic_rows
 from asyncinfer.params import SamplingParams
@@ -116,6 +118,41 @@ def race_filtered(probs: Tensor, keys: Tensor) -> Tensor:
     return (probs.log() + gumbel_noise(keys, probs.shape[-1])).argmax(dim=-1)
 
 
+def held_back(params: SamplingParams, step: int, eos_token_ids: frozenset[int]) -> list[int]:
+    """The ids a row may not sample at ``step`` (its ``step``-th output): before
+    ``min_tokens``, EOS (unless ignore_eos) and its stop_token_ids; else none."""
+    if step >= params.min_tokens:
+        return []
+    held = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        held |= eos_token_ids
+    return sorted(held)
+
+
+def _repeats(p: SamplingParams) -> bool:
+    """Whether a row's penalties count its tokens so far."""
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+
+def penalize(logits: Tensor, history: Tensor, prompt_lens: Tensor, ends: Tensor,
+             presence: Tensor, frequency: Tensor, repetition: Tensor) -> Tensor:
+    """``logits`` [R, V] (float32) after vLLM's penalties over ``history`` [R, L], each row's
+    tokens at positions ``[0, ends)``, its prompt before ``prompt_lens``: ``repetition``
+    divides positive and multiplies negative logits of every token seen (prompt or output);
+    ``frequency * count + presence * [count > 0]`` is taken off, counting the output only."""
+    rows, vocab = logits.shape
+    positions = torch.arange(history.shape[1], device=logits.device)
+    seen = positions < ends.unsqueeze(-1)
+    generated = seen & (positions >= prompt_lens.unsqueeze(-1))
+    zeros = torch.zeros(rows, vocab, dtype=torch.float32, device=logits.device)
+    counts = zeros.scatter_add(1, history, generated.float())
+    anywhere = zeros.scatter_add(1, history, seen.float()) > 0
+    factor = torch.where(anywhere, repetition.unsqueeze(-1), 1.0)
+    logits = torch.where(logits > 0, logits / factor, logits * factor)
+    return (logits - frequency.unsqueeze(-1) * counts
+            - presence.unsqueeze(-1) * (counts > 0).float())
+
+
 class Sampler:
     """Picks one token per row of a logits batch, following each request's SamplingParams.
 
@@ -126,6 +163,8 @@ class Sampler:
     def __init__(self, seed: int = 0, compile: bool = False, backend: str = "inductor",
                  device: torch.device | None = None,
                  argmax: Callable[[Tensor], Tensor] | None = None) -> None:
+        # What ``min_tokens`` holds back besides stop_token_ids: the scheduler's EOS ids.
+        self.eos_token_ids: frozenset[int] = frozenset()
         self._keys = np.random.Generator(np.random.PCG64(seed & _MASK64))
         self._argmax = argmax or _argmax
         self._race: Callable[[Tensor, Tensor, Tensor], Tensor] = race
@@ -158,6 +197,62 @@ class Sampler:
         index = device_tensor(rows, torch.int64, device)
         tokens[index] = race_filtered(self._filtered_probs(logits[index], chosen), keys)
         return tokens
+
+    def adjust(self, logits: Tensor, batch: Batch, token_pool: Tensor) -> Tensor:
+        """The logits the batch samples from: a copy where a row asks for ``logit_bias``,
+        ``min_tokens`` or penalties (in that order, as vLLM), computed on the device in one
+        pass over those rows; ``logits`` itself when none does. The other rows' logits stay
+        bit-identical, and ``logits`` (the raw ones) is never written."""
+        if not any(p.penalized or p.min_tokens for p in batch.params):
+            return logits
+        eos = self.eos_token_ids
+        rows, held = [], []
+        for i, (p, step, sampled) in enumerate(zip(batch.params, batch.steps, batch.sample)):
+            ids = held_back(p, step, eos) if sampled and p.min_tokens else []
+            if sampled and (p.penalized or ids):
+                rows.append(i)
+                held.append(ids)
+        if not rows:
+            return logits
+        device, vocab = logits.device, logits.shape[-1]
+        params = [batch.params[i] for i in rows]
+        index = device_tensor(rows, torch.int64, device)
+        chosen = logits[index].float()
+        # Bias (added up) and held-back ids (-inf after it) as (row, id) pairs: one upload each.
+        biased = [(j, t, b) for j, p in enumerate(params) for t, b in p.logit_bias]
+        masked = [(j, t) for j, ids in enumerate(held) for t in ids if t < vocab]
+        assert all(t < vocab for _, t, _ in biased), "logit_bias ids are checked at submit"
+        if biased:
+            at = device_tensor([x for j, t, _ in biased for x in (j, t)], torch.int64,
+                               device).view(-1, 2)
+            chosen.index_put_((at[:, 0], at[:, 1]),
+                              device_tensor([b for *_, b in biased], torch.float32, device),
+                              accumulate=True)
+        if masked:
+            at = device_tensor([x for pair in masked for x in pair], torch.int64,
+                               device).view(-1, 2)
+            chosen[at[:, 0], at[:, 1]] = float("-inf")
+        counted = [j for j, p in enumerate(params) if _repeats(p)]
+        if counted:
+            which = [rows[j] for j in counted]
+            ints = device_tensor([batch.rows[i] for i in which] + [batch.prompt_lens[i]
+                                 for i in which] + [batch.ends[i] for i in which],
+                                 torch.int64, device).view(3, -1)
+            floats = device_tensor(
+                [params[j].presence_penalty for j in counted]
+                + [params[j].frequency_penalty for j in counted]
+                + [params[j].repetition_penalty for j in counted],
+                torch.float32, device).view(3, -1)
+            history = token_pool[ints[0].unsqueeze(-1),
+                                 torch.arange(max(batch.ends[i] for i in which), device=device)]
+            if len(counted) == len(rows):
+                chosen = penalize(chosen, history, ints[1], ints[2], *floats)
+            else:
+                at = device_tensor(counted, torch.int64, device)
+                chosen[at] = penalize(chosen[at], history, ints[1], ints[2], *floats)
+        adjusted = logits.clone()
+        adjusted[index] = chosen.to(adjusted.dtype)
+        return adjusted
 
     @torch.inference_mode()
     def warm_up(self, vocab: int, dtype: torch.dtype, device: torch.device) -> None:

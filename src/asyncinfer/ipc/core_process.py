@@ -139,6 +139,7 @@ class EngineCore:
             channel = _Remote(self, front)
             try:
                 params = msg.params_from(message.params)
+                self.engine.check_params(params)
             except Exception as exc:
                 channel.put_nowait(Event(message.uid, None, "error", str(exc),
                                          error_kind="invalid"))

@@ -49,15 +49,18 @@ def iter_safetensors(model_dir: Path,
 
 
 def init_dummy(model: nn.Module, seed: int = 0) -> None:
-    """Random weights for benchmarks: small normal values, norms at one."""
-    gen = torch.Generator().manual_seed(seed)
+    """Random weights for benchmarks: small normal values, norms at one, drawn on the
+    parameters' own device in their own dtype (a 30B model never passes through the host)."""
+    generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.fill_(1.0)
-            else:
-                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
-                param.copy_(values)
+                continue
+            gen = generators.get(param.device)
+            if gen is None:
+                gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            param.normal_(0.0, 0.02, generator=gen)
 
 
 _ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1,

@@ -297,7 +297,8 @@ class Scheduler:
                           len(r.output_ids) for r in prefilling],
                       sample=[True] * len(decoding) + [e == r.seq_len and r.max_tokens > 0
                                                        for r, e in admitted],
-                      scored=scored_counts(decoding, admitted))
+                      scored=scored_counts(decoding, admitted),
+                      prompt_lens=[r.prompt_len for r in reqs])
         for req in decoding:
             req.cached_len = req.device_len
             req.device_len += 1
@@ -357,7 +358,7 @@ class Scheduler:
                 served = self._served[req.params.tenant] = [0, 0]
             served[1] += 1
             reason: FinishReason | None = None
-            if token in self.eos_token_ids and not req.params.ignore_eos:
+            if self._stops(req, token):
                 reason = "stop"
             elif req.remaining_tokens <= 0:
                 reason = "length"
@@ -373,6 +374,13 @@ class Scheduler:
         req.finished = True
         del self.running[req.uid]
         self._release(req, keep=True)
+
+    def _stops(self, req: Req, token: int) -> bool:
+        """``token`` ends the request: EOS (unless ignore_eos) or one of its stop_token_ids,
+        once ``min_tokens`` came before it (the sampler holds them back until then)."""
+        params = req.params
+        return ((token in self.eos_token_ids and not params.ignore_eos)
+                or token in params.stop_token_ids) and len(req.output_ids) > params.min_tokens
 
     def _running_in_uid_order(self) -> list[Req]:
         return self.running.in_uid_order()

@@ -15,6 +15,7 @@ from attrs import field, frozen
 
 from asyncinfer.config import OPTION, OptionInfo
 from asyncinfer.errors import ConfigError
+from asyncinfer.server.reasoning import PARSERS
 
 GROUP = "asyncinfer.server.group"
 REPLICAS = "data-parallel replicas"
@@ -59,7 +60,9 @@ def _not_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> N
 
 
 def _one_of(values: tuple[str, ...]) -> Check:
-    def check(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    def check(_: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
+        if value is None and attribute.default is None:  # an option that may be off
+            return
         if value not in values:
             raise ConfigError(f"{_flag(attribute)} must be one of {', '.join(values)}, "
                               f"got {value!r}")
@@ -125,6 +128,11 @@ class ServerOptions:
         False, group=LIMITS,
         help="let prompt and chat text spell control tokens such as <|im_end|> (off: such "
              "text is tokenized as plain text)")
+    reasoning_parser: str | None = _option(
+        None, choices=PARSERS, means="none",
+        help="split a chat's output into message.reasoning_content (its <think> block) and "
+             "content, streamed deltas too: qwen3 (a block the output opens) or deepseek_r1 "
+             "(the output starts inside the block the template opened)")
     retry_after: int = 1                # seconds, in the Retry-After of a 503
 
     @classmethod

@@ -21,7 +21,14 @@ from pydantic import (
 )
 
 from asyncinfer.params import BOUNDS, MAX_LOGPROBS, MAX_TENANT_CHARS, MIN_TEMPERATURE
+from asyncinfer.server.chat_template import ChatTemplateFields
 from asyncinfer.server.errors import APIError, bad_request
+from asyncinfer.server.token_fields import (
+    LogitBias,
+    StopTokenIds,
+    check_logit_bias,
+    check_stop_token_ids,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -130,7 +137,9 @@ class StreamOptions(_Strict):
 
 
 _SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
-                     "skip_special_tokens", "priority")
+                     "skip_special_tokens", "priority", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                     "stop_token_ids")
 # vLLM's extension: lower runs first where the engine's policy orders by it.
 _Priority = Annotated[Annotated[int, _bounded("priority"), _Integral] | None,
                       Field(description="lower runs first (with the priority policy)")]
@@ -152,6 +161,23 @@ class _Sampling(_Strict):
     stop: _Stop = None
     ignore_eos: bool | None = None
     priority: _Priority = None
+    # OpenAI's penalties and bias, and vLLM's extensions.
+    presence_penalty: Annotated[float, _bounded("presence_penalty")] | None = None
+    frequency_penalty: Annotated[float, _bounded("frequency_penalty")] | None = None
+    repetition_penalty: Annotated[float, _bounded("repetition_penalty")] | None = None
+    logit_bias: LogitBias = None
+    min_tokens: Annotated[int, _bounded("min_tokens", upper=False), _Integral] | None = None
+    stop_token_ids: StopTokenIds = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_logit_bias(value, _limits(info).vocab_size)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_stop_token_ids(value, _limits(info).vocab_size)
 
     @field_validator("stop")
     @classmethod
@@ -179,9 +205,6 @@ class _OpenAISampling(_Sampling):
     user: _Tenant = None
     # Not implemented: refused unless unset or at their default (see _refuse_unsupported).
     best_of: int | None = None
-    logit_bias: dict[str, Any] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     suffix: str | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -214,8 +237,7 @@ class _OpenAISampling(_Sampling):
 # default is "none", and "auto" leaves the choice to the model among no tools, which is plain
 # generation too; "required", a named function or any other value asks for a tool call.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0), "suffix": (None, ""), "tools": (None, []),
+    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
 }
 
@@ -304,7 +326,7 @@ class ChatMessage(_Strict):
         return self.content
 
 
-class ChatCompletionRequest(_OpenAISampling):
+class ChatCompletionRequest(_OpenAISampling, ChatTemplateFields):
     """``POST /v1/chat/completions``; without a length the server's default applies."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -329,7 +351,7 @@ class ChatCompletionRequest(_OpenAISampling):
     @model_validator(mode="after")
     def _fits_by_characters(self, info: ValidationInfo) -> ChatCompletionRequest:
         limits = _limits(info)
-        chars = sum(len(m.text()) for m in self.messages)
+        chars = sum(len(m.text()) for m in self.messages) + self.template_chars()
         if chars > limits.max_prompt_chars:
             raise too_long_by_characters(chars, limits, "messages")
         return self

@@ -15,7 +15,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from aiohttp import web
 from attrs import frozen
 
 import asyncinfer.server.protocol as protocol
+import asyncinfer.server.reasoning as reasoning
 import asyncinfer.server.translate as translate
 from asyncinfer.errors import ConfigError, EngineError
 from asyncinfer.server.backend import GenerateBackend
@@ -78,9 +79,13 @@ class _Encoder:
         return await self._run(functools.partial(
             self.tokenizer.encode, text, special_tokens=self.special_tokens))
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+                   continue_final_message: bool,
+                   template_kwargs: Mapping[str, Any]) -> list[int]:
         return await self._run(functools.partial(
-            self.tokenizer.apply_chat_template, messages, special_tokens=self.special_tokens))
+            self.tokenizer.apply_chat_template, messages, special_tokens=self.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs))
 
     async def _run(self, work: Callable[[], list[int]]) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self.pool, work)
@@ -133,12 +138,14 @@ class Routes:
     async def completions(self, call: Call) -> web.StreamResponse:
         parsed = await self._parse(call, self._checking_model(translate.completion))
         return await self._openai(call, parsed, translate.Formatter.new(
-            False, self.served_name, parsed, self.encoder.tokenizer))
+            False, self.served_name, None, parsed, self.encoder.tokenizer))
 
     async def chat(self, call: Call) -> web.StreamResponse:
         parsed = await self._parse(call, self._checking_model(translate.chat))
+        parser = self.options.reasoning_parser
+        split = None if parser is None else reasoning.parser(parser, thinking=parsed.thinking)
         return await self._openai(call, parsed, translate.Formatter.new(
-            True, self.served_name, parsed, self.encoder.tokenizer))
+            True, self.served_name, split, parsed, self.encoder.tokenizer))
 
     def _checking_model(self, parse: Parse) -> Parse:
         async def checked(body: dict[str, Any], encoder: translate.TextEncoder,
@@ -181,8 +188,20 @@ class Routes:
         if not parsed.stream:
             return web.json_response(fmt.response(await self._run(call, parsed)))
 
+        splits: dict[int, reasoning.ReasoningStream] = {}  # by choice
+
         def chunks(delta: StreamDelta, first: bool) -> list[Any]:
-            return fmt.chunks(delta, first, parsed.include_usage)
+            text, thought = delta.text, ""
+            if fmt.reasoning is not None:
+                index = getattr(delta, "index", 0)
+                split = splits.get(index)
+                if split is None:
+                    split = splits[index] = fmt.reasoning.stream()
+                thought, text = split.push(delta.text)
+                if delta.finish_reason is not None:
+                    more_thought, more_text = split.finish()
+                    thought, text = thought + more_thought, text + more_text
+            return fmt.chunks(delta, first, parsed.include_usage, text, thought)
 
         return await self._relay(call, parsed, SSE, chunks)
 

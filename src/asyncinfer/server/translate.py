@@ -15,6 +15,7 @@ from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import SamplingParams
 from asyncinfer.server.errors import APIError, bad_request
 from asyncinfer.server.logprobs import LegacyLogprobs, chat_content, joined
+from asyncinfer.server.reasoning import ReasoningParser
 
 if TYPE_CHECKING:
     from asyncinfer.api import RequestOutput
@@ -27,7 +28,9 @@ class TextEncoder(Protocol):
     """Tokenizes what users send (off the event loop; their text never makes special tokens)."""
 
     async def encode(self, text: str) -> list[int]: ...
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    async def chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+                   continue_final_message: bool,
+                   template_kwargs: Mapping[str, Any]) -> list[int]: ...
 
 
 @frozen
@@ -38,6 +41,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    thinking: bool = True  # False: a chat that asked for no reasoning (enable_thinking)
     # What echo puts before the output: the prompt as sent (text, or token ids to decode);
     # None without echo.
     echo: str | list[int] | None = None
@@ -67,22 +71,22 @@ async def completion(body: Mapping[str, Any], encoder: TextEncoder,
         options["prompt_logprobs"] = req.logprobs or 0
     params = _params(options, req.max_tokens)
     return ParsedRequest(ids, params, bool(req.stream), req.include_usage,
-                         req.prompt if req.echo else None)
+                         echo=req.prompt if req.echo else None)
 
 
 async def chat(body: Mapping[str, Any], encoder: TextEncoder,
                limits: protocol.Limits) -> ParsedRequest:
     """A ``/v1/chat/completions`` body; without a length, the server's default applies."""
     req = protocol.validate(protocol.ChatCompletionRequest, body, limits)
-    ids = await encoder.chat(req.chat_messages())
+    ids = await encoder.chat(req.chat_messages(), **req.template_options())
     check_length(ids, limits.context_len, "messages")
     max_tokens = getattr(req, req.length_param)
     options = req.sampling_options()
     if req.logprobs:
         options["logprobs"] = req.top_logprobs or 0
     params = _params(options, limits.default_max_tokens if max_tokens is None else max_tokens)
-    return ParsedRequest(ids, params, bool(req.stream), req.include_usage,
-                         req.echoed() if req.echo else None)
+    return ParsedRequest(ids, params, bool(req.stream), req.include_usage, req.thinking,
+                         echo=req.echoed() if req.echo else None)
 
 
 async def generate(body: Mapping[str, Any], encoder: TextEncoder,
@@ -92,7 +96,7 @@ async def generate(body: Mapping[str, Any], encoder: TextEncoder,
     param = "prompt" if req.prompt is not None else "input_ids"
     ids = await _prompt_ids(getattr(req, param), encoder, limits, param)
     options = req.sampling_params or protocol.NativeSampling()
-    params = _params(options.sampling_options(), options.max_tokens)
+    params = _params(options.sampling_options(), options.max_tokens, "sampling_params.")
     return ParsedRequest(ids, params, bool(req.stream), include_usage=True)
 
 
@@ -121,11 +125,16 @@ def with_tenant(gen: ParsedRequest, tenant: str, param: str) -> ParsedRequest:
         raise bad_request(str(exc).replace("tenant", param, 1), param) from exc
 
 
-def _params(options: Mapping[str, Any], max_tokens: int | None) -> SamplingParams:
+def _params(options: Mapping[str, Any], max_tokens: int | None,
+            prefix: str = "") -> SamplingParams:
     """SamplingParams of fields the request models checked; without ``max_tokens``, its
-    default."""
+    default (``prefix``: where the fields sit in the body)."""
     length = {} if max_tokens is None else {"max_tokens": max_tokens}
-    return SamplingParams.prechecked(**options, **length)
+    params = SamplingParams.prechecked(**options, **length)
+    if params.min_tokens > params.max_tokens:
+        raise bad_request(f"min_tokens ({params.min_tokens}) must be at most the output "
+                          f"length ({params.max_tokens})", f"{prefix}min_tokens")
+    return params
 
 
 def usage(output: RequestOutput) -> dict[str, Any]:
@@ -154,6 +163,7 @@ class Formatter:
     model: str
     request_id: str
     created: int
+    reasoning: ReasoningParser | None = None  # a chat's, with --reasoning-parser
     parsed: ParsedRequest | None = None
     tokenizer: Tokenizer | None = None
     # The completions logprobs of the choice, whose text offsets run on over a stream.
@@ -161,8 +171,9 @@ class Formatter:
     echo_text: str = ""     # what echo puts first
 
     @classmethod
-    def new(cls, chat: bool, model: str, parsed: ParsedRequest | None = None,
-            tokenizer: Tokenizer | None = None) -> Formatter:
+    def new(cls, chat: bool, model: str, reasoning: ReasoningParser | None = None,
+            parsed: ParsedRequest | None = None, tokenizer: Tokenizer | None = None
+            ) -> Formatter:
         """A formatter with a fresh request id and the current time."""
         prefix = "chatcmpl" if chat else "cmpl"
         top = parsed.params.logprobs if parsed is not None else None
@@ -171,8 +182,8 @@ class Formatter:
         echo = parsed.echo if parsed is not None else None
         if isinstance(echo, list):  # token ids: their text, special tokens spelled out
             echo = tokenizer.decode(echo, skip_special_tokens=False) if tokenizer else ""
-        return cls(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), parsed,
-                   tokenizer, legacy, echo or "")
+        return cls(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), reasoning,
+                   parsed, tokenizer, legacy, echo or "")
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": kind, "created": self.created,
@@ -185,35 +196,53 @@ class Formatter:
             "index": 0, "logprobs": self._logprobs(output, with_prompt=True),
             "finish_reason": output.finish_reason}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+            choice["message"] = self.message(output.text)
         else:
             choice["text"] = text
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self._envelope(kind, [choice]), "usage": usage(output)}
 
-    def chunks(self, delta: StreamDelta, first: bool, include_usage: bool) -> list[Any]:
+    def chunks(self, delta: StreamDelta, first: bool, include_usage: bool,
+               content: str | None = None, reasoning: str = "") -> list[Any]:
         """The stream chunks of one delta: its text (after the echo, in the first) with its
-        tokens' logprobs, then the usage chunk after the last when ``include_usage``."""
-        text = self.echo_text + delta.text if first else delta.text
+        tokens' logprobs, then the usage chunk after the last when ``include_usage``;
+        ``content`` and ``reasoning``: the delta's text split by a reasoning parser."""
+        text = delta.text if content is None else content
+        text = self.echo_text + text if first else text
         logprobs = self._logprobs(delta, with_prompt=first)
         out = []
-        if first or text or delta.finish_reason is not None or (
+        if first or text or reasoning or delta.finish_reason is not None or (
                 logprobs is not None and delta.token_ids):
             out.append(self.chunk(text, delta.finish_reason, first=first,
-                                  include_usage=include_usage, logprobs=logprobs))
+                                  include_usage=include_usage, reasoning=reasoning,
+                                  logprobs=logprobs))
         if delta.output is not None and include_usage:
             out.append(self.usage_chunk(delta.output))
         return out
 
+    def message(self, text: str) -> dict[str, Any]:
+        """A chat's whole message, after the echo; with a reasoning parser, the reasoning
+        apart."""
+        if self.reasoning is None:
+            return {"role": "assistant", "content": self.echo_text + text, "refusal": None}
+        split = self.reasoning.split(text)
+        return {"role": "assistant", "content": self.echo_text + split.content,
+                "reasoning_content": split.reasoning, "refusal": None}
+
     def chunk(self, text: str, finish_reason: str | None, *, first: bool = False,
-              include_usage: bool = False, logprobs: dict[str, Any] | None = None
-              ) -> dict[str, Any]:
-        """One stream chunk; a chat's first chunk also carries the assistant role."""
+              include_usage: bool = False, reasoning: str = "",
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One stream chunk; a chat's first chunk also carries the assistant role;
+        ``reasoning``: the delta's reasoning text (``text`` its content)."""
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
                                   "finish_reason": finish_reason}
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else (
                 {"content": text} if text else {})
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+                if not text:
+                    delta.pop("content", None)
             choice["delta"] = delta
         else:
             choice["text"] = text
