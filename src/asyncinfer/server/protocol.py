@@ -89,9 +89,11 @@ _MinP = Annotated[float, _bounded("min_p")] | None
 _Seed = Annotated[Annotated[int, _bounded("seed"), _Integral] | None,
                   Field(description="any integer of 64 bits")]
 _MaxTokens = Annotated[int, _bounded("max_tokens", upper=False), _Integral] | None
-# Completions' max_tokens may be 0 with echo: the prompt scored, nothing generated.
-_EchoMaxTokens = Annotated[Annotated[int, Field(ge=0), _Integral] | None,
-                           Field(description="0 only with echo (score the prompt)")]
+# Completions' max_tokens may be 0 with echo: the prompt scored, nothing generated. The
+# schema says 1 and up, what every body may send; the description names the exception.
+_EchoMaxTokens = Annotated[Annotated[int, Field(ge=0), _Integral] | None, WithJsonSchema({
+    "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}],
+    "description": "at least 1; 0 only with echo (scoring the prompt)"})]
 _TopLogprobs = Annotated[Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _Integral] | None,
                          Field(description=f"alternatives per token, 0 to {MAX_LOGPROBS}")]
 _One = Annotated[Annotated[int, Field(ge=1, le=1), _Integral] | None,
