@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.util import machine
+
 # What one run executes, in the checkout under test: only the public API, which both sides
 # share. The workload is drawn as benchmarks.offline's cpu workload (random.Random(0)).
 RUN = r"""
@@ -50,22 +52,6 @@ def _commit(checkout: Path) -> str:
     done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True)
     return done.stdout.strip() or "unknown"
-
-
-def _machine() -> dict[str, Any]:
-    name, flags = "unknown", set[str]()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == "unknown":
-                name = value.strip()
-            if key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-    return {"cpu": name, "flags": [f for f in wanted if f in flags],
-            "cores": len(os.sched_getaffinity(0))}
 
 
 def _run(checkout: Path, model: str, dtype: str) -> dict[str, Any]:
@@ -115,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"--new <checkout of {_commit(new)}> --dtype {args.dtype} "
                     f"--pairs {args.pairs}"),
         "base_commit": _commit(base), "new_commit": _commit(new),
-        "machine": _machine(), "model": Path(model).name, "dtype": args.dtype,
+        "machine": machine(), "model": Path(model).name, "dtype": args.dtype,
         "same_tokens": len({r["digest"] for r in runs}) == 1,
         "median_tokens_per_s": {"base": median("base"), "new": median("new")},
         "median_pair_ratio_new_over_base": round(ratios[len(ratios) // 2], 3),

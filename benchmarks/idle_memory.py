@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ab import _machine
 from benchmarks.util import (
     git_commit,
+    machine,
     process_tree,
     rss,
     start_serve,
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     write_report(args.json, {
         "benchmark": "idle_memory", "command": " ".join(["python", "-m",
                                                          "benchmarks.idle_memory", *sys.argv[1:]]),
-        "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": _machine(),
+        "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(),
         "memory_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
         "runs": runs})
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -35,6 +36,23 @@ def write_report(path: str | None, report: Any) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
+
+def machine() -> dict[str, Any]:
+    """The CPU a record came from: its model name, the vector and matrix flags the kernels
+    care about, and the usable cores (figures compare only on the same kind)."""
+    name, flags = platform.processor() or "unknown", set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name in ("unknown", platform.processor()):
+                name = value.strip()
+            if key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+    return {"cpu": name, "flags": [f for f in wanted if f in flags],
+            "cores": len(os.sched_getaffinity(0))}
 
 def rss(pid: int | str = "self") -> int:
     """Resident bytes of process ``pid`` (Linux /proc)."""
