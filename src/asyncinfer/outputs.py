@@ -9,11 +9,11 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 
-from asyncinfer.core import ErrorKind, Event, FinishReason
+from asyncinfer.core import ErrorKind, Event, FinishReason, TokenLogprob
 from asyncinfer.errors import InvalidRequestError
-from asyncinfer.params import SamplingParams
+from asyncinfer.params import SamplingParams, choice_seed
 from asyncinfer.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -29,9 +29,23 @@ class RequestMetrics:
 
 
 @frozen
+class CompletionOutput:
+    """One returned choice of a request: ``index`` is its place among the ``n`` returned."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+
+
+@frozen
 class RequestOutput:
     """The result of one request; with finish_reason "error", ``error`` says what and
-    ``error_kind`` whose fault (see ``core.ErrorKind``)."""
+    ``error_kind`` whose fault (see ``core.ErrorKind``). ``outputs`` holds every returned
+    choice (``n`` of them); ``text``, ``token_ids`` and ``finish_reason`` are choice 0's, and
+    ``cached_tokens`` counts the prompt once, as choice 0 found it."""
 
     request_id: int
     prompt: str | None
@@ -43,6 +57,12 @@ class RequestOutput:
     cached_tokens: int = 0          # prompt tokens found in the prefix cache
     metrics: RequestMetrics | None = None
     error_kind: ErrorKind | None = None
+    outputs: list[CompletionOutput] = field()
+
+    @outputs.default
+    def _one_choice(self) -> list[CompletionOutput]:
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason,
+                                 getattr(self, "logprobs", None))]
 
 
 @frozen
@@ -53,6 +73,7 @@ class StreamDelta:
     token_ids: list[int] = field(factory=list)
     finish_reason: FinishReason | None = None
     output: RequestOutput | None = None
+    index: int = 0      # which choice it belongs to (``n`` > 1)
 
 
 @frozen
@@ -184,9 +205,9 @@ class Front(ABC):
                        ) -> RequestOutput:
         """Run one request to the end (woken once, unless stop strings need the stream)."""
         request = self._open(prompt, params)
-        if request.params.stop:
+        if request.params.stop or request.params.choices > 1:
             output = None
-            async for delta in self._deltas(request):
+            async for delta in self._streamed(request):
                 output = delta.output
             assert output is not None
             return output
@@ -211,8 +232,18 @@ class Front(ABC):
     def stream(self, prompt: Prompt, params: SamplingParams | None = None
                ) -> AsyncIterator[StreamDelta]:
         """Text deltas of one request as they come; the last carries the output. A reader
-        that falls behind gets what came meanwhile in one delta."""
-        return self._deltas(self._open(prompt, params))
+        that falls behind gets what came meanwhile in one delta. With ``n`` > 1 each delta
+        names its choice (``index``); each choice's last delta has its finish reason, and
+        the last of all the whole output."""
+        request = self._open(prompt, params)
+        if request.params.choices > request.params.n:
+            raise InvalidRequestError(
+                f"best_of ({request.params.best_of}) above n ({request.params.n}) cannot be "
+                "streamed: the best choices are known only at the end", param="best_of")
+        return self._streamed(request)
+
+    def _streamed(self, request: _Request) -> AsyncIterator[StreamDelta]:
+        return self._choices(request) if request.params.choices > 1 else self._deltas(request)
 
     def _open(self, prompt: Prompt, params: SamplingParams | None) -> _Request:
         self.check_open()
@@ -256,3 +287,82 @@ class Front(ABC):
         finally:
             if not done:  # cancelled, or the consumer stopped listening
                 self.abort(request.uid)
+
+    async def _choices(self, request: _Request) -> AsyncIterator[StreamDelta]:
+        """The choices of an ``n`` > 1 request: choice 0 alone until its prompt is prefilled
+        (its first token), then the others, which find the prompt's pages in the prefix cache
+        (see docs/architecture.md, 'Choices sharing the prompt'). Choice i samples with
+        ``choice_seed(seed, i)``. Closing the iterator aborts every choice."""
+        params = request.params
+        count = params.choices
+        queue: asyncio.Queue[tuple[int, StreamDelta | Exception]] = asyncio.Queue()
+        tasks: list[asyncio.Task[None]] = []
+
+        async def pump(index: int, child: _Request) -> None:
+            try:
+                async for delta in self._deltas(child):
+                    queue.put_nowait((index, delta))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+
+        def start(index: int) -> None:
+            child = request if index == 0 else _Request(
+                self.new_uid(), request.prompt, request.ids,
+                params.replace(n=1, best_of=None, seed=choice_seed(params.seed, index)))
+            tasks.append(asyncio.ensure_future(pump(index, child)))
+
+        finals: list[RequestOutput | None] = [None] * count
+        try:
+            start(0)
+            while True:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                output = item.output
+                if len(tasks) == 1:  # choice 0's first delta: its prompt is in the cache
+                    if output is not None and not output.token_ids:  # refused or failed
+                        yield item
+                        return
+                    for i in range(1, count):
+                        start(i)
+                if output is None:
+                    yield evolve(item, index=index)
+                    continue
+                finals[index] = output
+                if output.finish_reason == "error":  # one choice failed: the request did
+                    yield evolve(item, index=index, output=evolve(
+                        output, request_id=request.uid, outputs=[_choice(0, output)]))
+                    return
+                done = all(f is not None for f in finals)
+                whole = _combine(request, [f for f in finals if f is not None]) if done else None
+                yield evolve(item, index=index, output=whole)
+                if done:
+                    return
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _choice(index: int, output: RequestOutput) -> CompletionOutput:
+    first = output.outputs[0]
+    return CompletionOutput(index, output.text, output.token_ids, output.finish_reason,
+                            first.logprobs, first.cumulative_logprob)
+
+
+def _combine(request: _Request, finals: list[RequestOutput]) -> RequestOutput:
+    """One output of a request's choices: the ``n`` returned (of ``best_of``: those with
+    the highest cumulative logprob), choice 0's fields on top, timed from choice 0's
+    arrival to the last finish."""
+    n = request.params.n
+    ranked = finals
+    if len(finals) > n:
+        ranked = sorted(finals, key=lambda o: -(o.outputs[0].cumulative_logprob or 0.0))[:n]
+    leader, top = finals[0], ranked[0]
+    times = [o.metrics for o in finals if o.metrics is not None]
+    metrics = leader.metrics
+    if metrics is not None:
+        metrics = RequestMetrics(metrics.arrival_time, metrics.first_token_time,
+                                 max(m.finish_time for m in times))
+    return evolve(top, request_id=request.uid, cached_tokens=leader.cached_tokens,
+                  metrics=metrics, outputs=[_choice(j, o) for j, o in enumerate(ranked)])

@@ -78,7 +78,7 @@ LOGIT_BIAS_BOUND = Bound(-100.0, 100.0, integer=False)
 # Fields the engine does not compute yet, with the value that asks for nothing: any other
 # value is refused, naming the field, rather than ignored.
 NOT_YET: Mapping[str, object] = MappingProxyType({
-    "n": 1, "best_of": None, "logprobs": None, "prompt_logprobs": None,
+    "logprobs": None, "prompt_logprobs": None,
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
     "logit_bias": (), "min_tokens": 0, "stop_token_ids": ()})
 
@@ -174,6 +174,9 @@ class SamplingParams:
                    f"must be {bound.describe()} or null, got {value!r}")
         _check(self.best_of is None or self.best_of >= self.n, "best_of",
                f"must be at least n ({self.n}), got {self.best_of!r}")
+        # Ranking by cumulative logprob needs the sampled tokens' logprobs.
+        _check(self.best_of is None or self.best_of == self.n, "best_of",
+               f"above n ({self.n}) is not implemented by this engine yet")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
                f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         bad = next((b for _, b in self.logit_bias if not LOGIT_BIAS_BOUND.holds(b)), None)
@@ -229,6 +232,18 @@ class SamplingParams:
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with some fields changed (validated again)."""
         return evolve(self, **changes)
+
+
+_SEED_STEP = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: choices' seeds far apart
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded ``seed`` (choice 0 keeps it): each
+    choice its own stream, so a seeded ``n`` > 1 request is reproducible and its choices
+    differ. None stays None (unseeded choices draw from the sampler's own keys)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * _SEED_STEP) & (2**64 - 1)
 
 
 def _is_int(v: object) -> bool:

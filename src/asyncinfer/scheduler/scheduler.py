@@ -344,6 +344,8 @@ class Scheduler:
             elif req.remaining_tokens <= 0:
                 reason = "length"
             self._events.append(Event(req.uid, token, reason, prefix_len=req.prefix_len))
+            if reason is None and req.params.choices > 1 and len(req.output_ids) == 1:
+                self.kv.share(req)  # its other choices come next: they find the prompt
             if reason is not None:
                 req.finished = True
                 del self.running[req.uid]
