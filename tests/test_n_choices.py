@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from asyncinfer.api import LLM, AsyncEngine
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import MAX_N, SamplingParams, choice_seed
+from tests.conftest import engine_under_test
 from tests.hf_reference import hf_greedy, load_hf
+from tests.test_server_process import NAME
 
 PAGE = 4
 
@@ -168,3 +173,135 @@ def test_bounds_of_n_and_best_of() -> None:
     assert SamplingParams(n=3, best_of=3).choices == 3
     assert choice_seed(5, 0) == 5 and choice_seed(None, 2) is None
     assert len({choice_seed(5, i) for i in range(MAX_N)}) == MAX_N
+
+
+# --- HTTP, through the openai SDK against `asyncinfer serve` ---------------------------------
+
+PROMPT = "The three best things about the sea are"
+
+
+@pytest.fixture(scope="module")
+def server(served_model: Path) -> Iterator[str]:
+    from tests.test_server_process import start_server
+
+    proc, url = start_server(served_model)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> Any:
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+def _completion_texts(client: Any, stream: bool, **body: Any) -> list[str]:
+    if not stream:
+        response = client.completions.create(model=NAME, **body)
+        assert [c.index for c in response.choices] == list(range(len(response.choices)))
+        return [c.text for c in response.choices]
+    texts: dict[int, str] = {}
+    finished: list[int] = []
+    for chunk in client.completions.create(model=NAME, stream=True, **body):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                finished.append(c.index)
+    assert sorted(finished) == sorted(texts)
+    return [texts[i] for i in sorted(texts)]
+
+
+def _chat_texts(client: Any, stream: bool, **body: Any) -> list[str]:
+    if not stream:
+        response = client.chat.completions.create(model=NAME, **body)
+        assert [c.index for c in response.choices] == list(range(len(response.choices)))
+        return [c.message.content or "" for c in response.choices]
+    texts: dict[int, str] = {}
+    roles: dict[int, str | None] = {}
+    for chunk in client.chat.completions.create(model=NAME, stream=True, **body):
+        for c in chunk.choices:
+            roles.setdefault(c.index, c.delta.role)
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert set(roles.values()) == {"assistant"}, "each choice's first chunk names the role"
+    return [texts[i] for i in sorted(texts)]
+
+
+SEEDED = {"n": 3, "seed": 7, "temperature": 1.0, "max_tokens": 10}
+
+
+def test_http_seeded_choices_reproducible_and_distinct(client: Any) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    for texts_of, body in ((_completion_texts, {"prompt": PROMPT}),
+                           (_chat_texts, {"messages": messages})):
+        whole = texts_of(client, False, **body, **SEEDED)
+        assert len(whole) == 3 and len(set(whole)) == 3
+        assert texts_of(client, False, **body, **SEEDED) == whole
+        assert texts_of(client, True, **body, **SEEDED) == whole
+
+
+def test_http_list_of_prompts_times_n(client: Any) -> None:
+    prompts = [PROMPT, "Once upon a time", "def add(a, b):", "Paris is"]
+    body = {"n": 2, "seed": 3, "temperature": 1.0, "max_tokens": 6}
+    response = client.completions.create(model=NAME, prompt=prompts, **body)
+    assert [c.index for c in response.choices] == list(range(8))
+    singles = [client.completions.create(model=NAME, prompt=p, **body) for p in prompts]
+    assert [c.text for c in response.choices] == [c.text for s in singles for c in s.choices]
+    assert response.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert response.usage.completion_tokens == sum(s.usage.completion_tokens
+                                                   for s in singles)
+    assert _completion_texts(client, True, prompt=prompts, **body) == [
+        c.text for c in response.choices]
+    ids = [[1, 2, 3, 4], [5, 6, 7]]
+    by_ids = client.completions.create(model=NAME, prompt=ids, **body)
+    assert [c.index for c in by_ids.choices] == [0, 1, 2, 3]
+    assert by_ids.usage.prompt_tokens == 7
+
+
+def test_http_usage_counts_the_prompt_once_and_it_is_prefilled_once(
+        client: Any, server: str) -> None:
+    import urllib.request
+
+    if engine_under_test()[1]["cache_type"] != "radix":
+        pytest.skip("the choices share the prompt through the radix cache")
+
+    def hit_tokens() -> float:
+        with urllib.request.urlopen(f"{server}/metrics") as response:
+            text = response.read().decode()
+        found = re.search(r"^asyncinfer_prefix_cache_hit_tokens(?:_total)? (\S+)$", text,
+                          re.MULTILINE)
+        assert found is not None
+        return float(found.group(1))
+
+    prompt = " ".join(f"w{i}" for i in range(40))   # in no earlier request
+    before = hit_tokens()
+    response = client.completions.create(model=NAME, prompt=prompt, n=4, max_tokens=4,
+                                         seed=1, temperature=1.0,
+                                         extra_body={"ignore_eos": True})
+    gained = hit_tokens() - before
+    tokens = response.usage.prompt_tokens
+    assert tokens > 40 and response.usage.completion_tokens == 4 * 4
+    assert response.usage.prompt_tokens_details.cached_tokens == 0  # choice 0 found none
+    # Choices 1-3 each found choice 0's full prompt pages (of 16 tokens): one prefill.
+    assert gained == 3 * ((tokens - 1) // 16) * 16
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": MAX_N + 1}, "n"),
+    ({"n": 3, "best_of": 2}, "best_of"),
+    ({"n": 2, "prompt": ["a"] * 65}, "prompt"),
+])
+def test_http_refusals_name_the_field(server: str, body: dict[str, Any], param: str) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps({"prompt": PROMPT, "max_tokens": 2, **body}).encode()
+    request = urllib.request.Request(f"{server}/v1/completions", data,
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request)
+    assert refused.value.code == 400
+    assert json.loads(refused.value.read())["error"]["param"] == param

@@ -7,7 +7,7 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from attrs import evolve, field, frozen
 
@@ -295,31 +295,21 @@ class Front(ABC):
         ``choice_seed(seed, i)``. Closing the iterator aborts every choice."""
         params = request.params
         count = params.choices
-        queue: asyncio.Queue[tuple[int, StreamDelta | Exception]] = asyncio.Queue()
-        tasks: list[asyncio.Task[None]] = []
-
-        async def pump(index: int, child: _Request) -> None:
-            try:
-                async for delta in self._deltas(child):
-                    queue.put_nowait((index, delta))
-            except Exception as exc:
-                queue.put_nowait((index, exc))
+        merged: Merged[StreamDelta] = Merged()
 
         def start(index: int) -> None:
             child = request if index == 0 else _Request(
                 self.new_uid(), request.prompt, request.ids,
                 params.replace(n=1, best_of=None, seed=choice_seed(params.seed, index)))
-            tasks.append(asyncio.ensure_future(pump(index, child)))
+            merged.add(self._deltas(child))
 
         finals: list[RequestOutput | None] = [None] * count
         try:
             start(0)
             while True:
-                index, item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
+                index, item = await merged.next()
                 output = item.output
-                if len(tasks) == 1:  # choice 0's first delta: its prompt is in the cache
+                if len(merged) == 1:  # choice 0's first delta: its prompt is in the cache
                     if output is not None and not output.token_ids:  # refused or failed
                         yield item
                         return
@@ -339,9 +329,48 @@ class Front(ABC):
                 if done:
                     return
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await merged.close()
+
+
+T = TypeVar("T")
+
+
+class Merged(Generic[T]):
+    """The items of several async iterators as they come, each with its iterator's place
+    (in the order added); :meth:`close` closes them all (a request's stream: aborted)."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[tuple[int, T | Exception]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def add(self, iterator: AsyncIterator[T]) -> None:
+        self._tasks.append(asyncio.ensure_future(self._pump(len(self._tasks), iterator)))
+
+    async def _pump(self, index: int, iterator: AsyncIterator[T]) -> None:
+        try:
+            async for item in iterator:
+                self._queue.put_nowait((index, item))
+        except Exception as exc:
+            self._queue.put_nowait((index, exc))
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def next(self) -> tuple[int, T]:
+        """The next item and its iterator's place; an iterator's exception is raised."""
+        index, item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return index, item
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def _choice(index: int, output: RequestOutput) -> CompletionOutput:
