@@ -165,10 +165,42 @@ def test_choices_queue_under_memory_pressure(tiny_llama_dir: Path) -> None:
     llm.scheduler.check_invariants()
 
 
+def test_best_of_returns_the_n_most_likely(tiny_llama_dir: Path) -> None:
+    llm = tiny_llm(tiny_llama_dir)
+    ids = prompt(18, seed=4)
+    out = llm.generate([ids], sampled(2, best_of=5, max_tokens=6), use_tqdm=False)[0]
+    singles = llm.generate([ids] * 5, [sampled(1, choice_seed(11, i), max_tokens=6, logprobs=0)
+                                       for i in range(5)], use_tqdm=False)
+    scores = [sum(t.logprob for t in s.logprobs or []) for s in singles]
+    best = sorted(range(5), key=lambda i: -scores[i])[:2]
+    assert [o.token_ids for o in out.outputs] == [singles[i].token_ids for i in best]
+    assert [o.index for o in out.outputs] == [0, 1]
+    for o, i in zip(out.outputs, best):
+        assert o.cumulative_logprob == pytest.approx(scores[i], abs=1e-5)
+        assert o.logprobs is None  # not asked for: used for the ranking only
+    assert out.logprobs is None and out.token_ids == out.outputs[0].token_ids
+
+
+def test_choices_carry_their_logprobs(tiny_llama_dir: Path) -> None:
+    llm = tiny_llm(tiny_llama_dir)
+    ids = prompt(14, seed=6)
+    out = llm.generate([ids], sampled(3, logprobs=2, max_tokens=5), use_tqdm=False)[0]
+    singles = llm.generate([ids] * 3, [sampled(1, choice_seed(11, i), logprobs=2,
+                                               max_tokens=5) for i in range(3)],
+                           use_tqdm=False)
+    for choice, single in zip(out.outputs, singles):
+        assert choice.logprobs is not None and single.logprobs is not None
+        assert [t.token for t in choice.logprobs] == choice.token_ids
+        assert [t.logprob for t in choice.logprobs] == pytest.approx(
+            [t.logprob for t in single.logprobs], abs=1e-4)
+        assert all(len(t.top) == 2 for t in choice.logprobs)
+    assert out.logprobs == out.outputs[0].logprobs
+
+
 def test_bounds_of_n_and_best_of() -> None:
     with pytest.raises(InvalidRequestError, match="n must be"):
         SamplingParams(n=MAX_N + 1)
-    with pytest.raises(InvalidRequestError, match="best_of must be at least n"):
+    with pytest.raises(InvalidRequestError, match="best_of"):
         SamplingParams(n=3, best_of=2)
     assert SamplingParams(n=3, best_of=3).choices == 3
     assert choice_seed(5, 0) == 5 and choice_seed(None, 2) is None
@@ -242,6 +274,15 @@ def test_http_seeded_choices_reproducible_and_distinct(client: Any) -> None:
         assert texts_of(client, True, **body, **SEEDED) == whole
 
 
+def test_http_best_of(client: Any) -> None:
+    response = client.completions.create(model=NAME, prompt=PROMPT, n=2, best_of=4, seed=5,
+                                         temperature=1.0, max_tokens=6)
+    assert [c.index for c in response.choices] == [0, 1]
+    every = client.completions.create(model=NAME, prompt=PROMPT, n=4, seed=5,
+                                      temperature=1.0, max_tokens=6)
+    assert {c.text for c in response.choices} <= {c.text for c in every.choices}
+
+
 def test_http_list_of_prompts_times_n(client: Any) -> None:
     prompts = [PROMPT, "Once upon a time", "def add(a, b):", "Paris is"]
     body = {"n": 2, "seed": 3, "temperature": 1.0, "max_tokens": 6}
@@ -292,6 +333,7 @@ def test_http_usage_counts_the_prompt_once_and_it_is_prefilled_once(
     ({"n": MAX_N + 1}, "n"),
     ({"n": 3, "best_of": 2}, "best_of"),
     ({"n": 2, "prompt": ["a"] * 65}, "prompt"),
+    ({"n": 1, "best_of": 3, "stream": True}, "best_of"),
 ])
 def test_http_refusals_name_the_field(server: str, body: dict[str, Any], param: str) -> None:
     import json

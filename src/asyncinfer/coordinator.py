@@ -297,7 +297,7 @@ class Coordinator:
         self._waited += time.perf_counter() - start
         if self.sync is not None:
             self._sampled = tokens
-        self.scheduler.process(launched.scheduled, tokens)
+        self.scheduler.process(launched.scheduled, tokens, out.logprobs, out.prompt_logprobs)
         return True
 
     def _digest_fields(self, scheduled: ScheduledBatch) -> dict[str, Any]:

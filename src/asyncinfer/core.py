@@ -24,7 +24,9 @@ class Batch:
     ``[starts[i], ends[i])``, reading its input ids from the token pool.
 
     Invariants: KV exists before ``starts[i]``; with ``sample[i]`` the sampled token is
-    written at ``ends[i]``; ``steps[i]`` counts the tokens sampled before (per-request seeds)."""
+    written at ``ends[i]``; ``steps[i]`` counts the tokens sampled before (per-request seeds).
+    ``scored[i]``: how many positions from ``starts[i]`` on score the prompt token after
+    them (prompt logprobs); None when no request asks."""
 
     rows: list[int]
     starts: list[int]
@@ -32,6 +34,7 @@ class Batch:
     params: Sequence[SamplingParams]
     steps: list[int]
     sample: list[bool] = field()
+    scored: list[int] | None = None
 
     @sample.default
     def _sample_all(self) -> list[bool]:
@@ -42,6 +45,8 @@ class Batch:
         assert n > 0, "empty batch"
         assert len(self.starts) == len(self.ends) == len(self.params) == len(self.steps) == n
         assert len(self.sample) == n
+        assert self.scored is None or (len(self.scored) == n and all(
+            0 <= c <= e - s for c, s, e in zip(self.scored, self.starts, self.ends)))
         assert all(0 <= s < e for s, e in zip(self.starts, self.ends)), "empty extent"
         assert len(set(self.rows)) == n, "a row appears twice in one batch"
 
@@ -67,13 +72,28 @@ class Batch:
 
 
 @frozen
+class TopLogprobs:
+    """Log-probabilities of some rows, on the host: ``values[r, 0]`` is row r's target
+    token's, ``values[r, 1:]`` those of its ``ids[r]``, the k most probable tokens there
+    (k: the most any of these rows asked for), most probable first."""
+
+    values: torch.Tensor    # [R, 1 + k] float32
+    ids: torch.Tensor       # [R, k] int64
+
+
+@frozen
 class ForwardOutput:
     """Sampled token per request (CPU) and their logits (after a graph replay, a view the
-    next replay overwrites); ``device_s``: the batch's device seconds (CUDA, else 0)."""
+    next replay overwrites); ``device_s``: the batch's device seconds (CUDA, else 0).
+    ``logprobs``: the sampled tokens' of the requests asking for them, in batch order (None
+    when none does); ``prompt_logprobs``: the prompt positions ``Batch.scored`` names, in
+    batch order (None when none)."""
 
     next_tokens: torch.Tensor
     logits: torch.Tensor
     device_s: float = 0.0
+    logprobs: TopLogprobs | None = None
+    prompt_logprobs: TopLogprobs | None = None
 
 
 @frozen
@@ -97,6 +117,9 @@ class Event:
     error: str | None = None
     prefix_len: int = 0
     error_kind: ErrorKind | None = None     # with finish_reason "error"
+    logprob: TokenLogprob | None = None     # the token's, when the request asks for them
+    # Every prompt token's (the first None), with the request's first token or its finish.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:

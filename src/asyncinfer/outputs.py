@@ -43,9 +43,12 @@ class CompletionOutput:
 @frozen
 class RequestOutput:
     """The result of one request; with finish_reason "error", ``error`` says what and
-    ``error_kind`` whose fault (see ``core.ErrorKind``). ``outputs`` holds every returned
-    choice (``n`` of them); ``text``, ``token_ids`` and ``finish_reason`` are choice 0's, and
-    ``cached_tokens`` counts the prompt once, as choice 0 found it."""
+    ``error_kind`` whose fault (see ``core.ErrorKind``). ``logprobs``: one per output token
+    when ``params.logprobs`` is set; ``prompt_logprobs``: one per prompt token (the first
+    None) when ``params.prompt_logprobs`` is set (see ``core.TokenLogprob``). ``outputs``
+    holds every returned choice (``n`` of them); ``text``, ``token_ids``, ``finish_reason``
+    and ``logprobs`` are choice 0's, and ``cached_tokens`` counts the prompt once, as choice
+    0 found it."""
 
     request_id: int
     prompt: str | None
@@ -57,22 +60,28 @@ class RequestOutput:
     cached_tokens: int = 0          # prompt tokens found in the prefix cache
     metrics: RequestMetrics | None = None
     error_kind: ErrorKind | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     outputs: list[CompletionOutput] = field()
 
     @outputs.default
     def _one_choice(self) -> list[CompletionOutput]:
         return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason,
-                                 getattr(self, "logprobs", None))]
+                                 self.logprobs, _cumulative(self.logprobs))]
 
 
 @frozen
 class StreamDelta:
-    """What one request produced since the last delta; the last one carries the output."""
+    """What one request produced since the last delta; the last one carries the output.
+    ``logprobs`` align with ``token_ids`` (when asked for); ``prompt_logprobs`` come once,
+    in the delta of the first token (or the last, for a request that samples none)."""
 
     text: str
     token_ids: list[int] = field(factory=list)
     finish_reason: FinishReason | None = None
     output: RequestOutput | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     index: int = 0      # which choice it belongs to (``n`` > 1)
 
 
@@ -108,12 +117,18 @@ class Collector:
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.first_token_time: float | None = None
         self.done: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
 
     def put_nowait(self, event: Event) -> None:
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = list(event.prompt_logprobs)
         if event.token is not None:
             self.tokens.append(event.token)
+            if event.logprob is not None:
+                self.logprobs.append(event.logprob)
             self.first_token_time = self.first_token_time or time.perf_counter()
         if event.finished and not self.done.done():
             self.done.set_result(event)
@@ -124,6 +139,8 @@ class TokenChannel:
 
     def __init__(self) -> None:
         self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._prompt_logprobs: list[TokenLogprob | None] | None = None
         self.last: Event | None = None
         self.first_token_time: float | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -131,8 +148,12 @@ class TokenChannel:
     def put_nowait(self, event: Event) -> None:
         if self.last is not None:
             return
+        if event.prompt_logprobs is not None:
+            self._prompt_logprobs = list(event.prompt_logprobs)
         if event.token is not None:
             self._tokens.append(event.token)
+            if event.logprob is not None:
+                self._logprobs.append(event.logprob)
             self.first_token_time = self.first_token_time or time.perf_counter()
         if event.finished:
             self.last = event
@@ -151,6 +172,13 @@ class TokenChannel:
         tokens, self._tokens = self._tokens, []
         return tokens, self.last
 
+    def take_logprobs(self) -> tuple[list[TokenLogprob], list[TokenLogprob | None] | None]:
+        """The logprobs of the tokens :meth:`take` just returned (called right after it),
+        and the prompt's if they came meanwhile."""
+        logprobs, self._logprobs = self._logprobs, []
+        prompt, self._prompt_logprobs = self._prompt_logprobs, None
+        return logprobs, prompt
+
 
 @frozen
 class _Request:
@@ -160,13 +188,17 @@ class _Request:
     params: SamplingParams
 
     def output(self, text: str, tokens: list[int], last: Event | None, reason: FinishReason,
-               arrival: float, first_token: float | None) -> RequestOutput:
+               arrival: float, first_token: float | None,
+               logprobs: list[TokenLogprob] | None = None,
+               prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
         error, kind, cached = ((last.error, last.error_kind, last.prefix_len)
                                if last is not None else (None, None, 0))
         return RequestOutput(
             self.uid, self.prompt if isinstance(self.prompt, str) else None, self.ids, text,
             tokens, reason, error, cached,
-            RequestMetrics(arrival, first_token, time.perf_counter()), kind)
+            RequestMetrics(arrival, first_token, time.perf_counter()), kind,
+            logprobs if self.params.logprobs is not None else None,
+            prompt_logprobs if self.params.prompt_logprobs is not None else None)
 
 
 class Front(ABC):
@@ -227,7 +259,8 @@ class Front(ABC):
             detok.finish()
             text = detok.text
         return request.output(text, collector.tokens, last, last.finish_reason, arrival,
-                              collector.first_token_time)
+                              collector.first_token_time, collector.logprobs,
+                              collector.prompt_logprobs)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None
                ) -> AsyncIterator[StreamDelta]:
@@ -259,10 +292,16 @@ class Front(ABC):
         detok = (tokenizer.detokenizer(request.params, request.ids)
                  if tokenizer is not None else None)
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        prompt_logprobs: list[TokenLogprob | None] | None = None
+        asks = request.params.logprobs is not None
         done = False
         try:
             while not done:
                 new, last = await channel.take()
+                new_logprobs, prompt = channel.take_logprobs()
+                logprobs += new_logprobs
+                prompt_logprobs = prompt if prompt is not None else prompt_logprobs
                 reason = last.finish_reason if last is not None else None
                 text = ""
                 if new:
@@ -273,8 +312,9 @@ class Front(ABC):
                             self.abort(request.uid)
                             reason = "stop"
                 if reason is None:
-                    if text or new:
-                        yield StreamDelta(text, new)
+                    if text or new or prompt is not None:
+                        yield StreamDelta(text, new, logprobs=new_logprobs if asks else None,
+                                          prompt_logprobs=prompt)
                     continue
                 done = True
                 full = ""
@@ -283,7 +323,8 @@ class Front(ABC):
                     full = detok.text
                     reason = "stop" if detok.stopped else reason
                 yield StreamDelta(text, new, reason, request.output(
-                    full, tokens, last, reason, arrival, channel.first_token_time))
+                    full, tokens, last, reason, arrival, channel.first_token_time, logprobs,
+                    prompt_logprobs), new_logprobs if asks else None, prompt)
         finally:
             if not done:  # cancelled, or the consumer stopped listening
                 self.abort(request.uid)
@@ -296,11 +337,15 @@ class Front(ABC):
         params = request.params
         count = params.choices
         merged: Merged[StreamDelta] = Merged()
+        # Ranking best_of by cumulative logprob needs every sampled token's logprob.
+        ranks = count > params.n and params.logprobs is None
+        leader = params.replace(logprobs=0) if ranks else params
 
         def start(index: int) -> None:
-            child = request if index == 0 else _Request(
-                self.new_uid(), request.prompt, request.ids,
-                params.replace(n=1, best_of=None, seed=choice_seed(params.seed, index)))
+            child = _Request(request.uid, request.prompt, request.ids, leader) if index == 0 \
+                else _Request(self.new_uid(), request.prompt, request.ids, leader.replace(
+                    n=1, best_of=None, prompt_logprobs=None,
+                    seed=choice_seed(params.seed, index)))
             merged.add(self._deltas(child))
 
         finals: list[RequestOutput | None] = [None] * count
@@ -310,7 +355,8 @@ class Front(ABC):
                 index, item = await merged.next()
                 output = item.output
                 if len(merged) == 1:  # choice 0's first delta: its prompt is in the cache
-                    if output is not None and not output.token_ids:  # refused or failed
+                    if (output is not None and not output.token_ids
+                            and output.finish_reason in ("error", "abort")):  # refused
                         yield item
                         return
                     for i in range(1, count):
@@ -373,19 +419,25 @@ class Merged(Generic[T]):
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _choice(index: int, output: RequestOutput) -> CompletionOutput:
+def _cumulative(logprobs: list[TokenLogprob] | None) -> float | None:
+    return None if logprobs is None else sum(t.logprob for t in logprobs)
+
+
+def _choice(index: int, output: RequestOutput, keep_logprobs: bool = True
+            ) -> CompletionOutput:
     first = output.outputs[0]
     return CompletionOutput(index, output.text, output.token_ids, output.finish_reason,
-                            first.logprobs, first.cumulative_logprob)
+                            first.logprobs if keep_logprobs else None,
+                            first.cumulative_logprob)
 
 
 def _combine(request: _Request, finals: list[RequestOutput]) -> RequestOutput:
     """One output of a request's choices: the ``n`` returned (of ``best_of``: those with
     the highest cumulative logprob), choice 0's fields on top, timed from choice 0's
     arrival to the last finish."""
-    n = request.params.n
+    n, asked = request.params.n, request.params.logprobs is not None
     ranked = finals
-    if len(finals) > n:
+    if len(finals) > n:  # best_of: the most likely n, most likely first (a stable sort)
         ranked = sorted(finals, key=lambda o: -(o.outputs[0].cumulative_logprob or 0.0))[:n]
     leader, top = finals[0], ranked[0]
     times = [o.metrics for o in finals if o.metrics is not None]
@@ -394,4 +446,6 @@ def _combine(request: _Request, finals: list[RequestOutput]) -> RequestOutput:
         metrics = RequestMetrics(metrics.arrival_time, metrics.first_token_time,
                                  max(m.finish_time for m in times))
     return evolve(top, request_id=request.uid, cached_tokens=leader.cached_tokens,
-                  metrics=metrics, outputs=[_choice(j, o) for j, o in enumerate(ranked)])
+                  metrics=metrics, logprobs=top.logprobs if asked else None,
+                  prompt_logprobs=leader.prompt_logprobs,
+                  outputs=[_choice(j, o, asked) for j, o in enumerate(ranked)])

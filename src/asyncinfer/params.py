@@ -78,7 +78,6 @@ LOGIT_BIAS_BOUND = Bound(-100.0, 100.0, integer=False)
 # Fields the engine does not compute yet, with the value that asks for nothing: any other
 # value is refused, naming the field, rather than ignored.
 NOT_YET: Mapping[str, object] = MappingProxyType({
-    "logprobs": None, "prompt_logprobs": None,
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
     "logit_bias": (), "min_tokens": 0, "stop_token_ids": ()})
 
@@ -133,7 +132,8 @@ class SamplingParams:
     are for policies. Outside :data:`BOUNDS`: InvalidRequestError naming the field.
 
     ``logprobs``: the sampled token's log-probability and this many top alternatives per
-    output token (None: none); ``prompt_logprobs`` likewise per prompt token. Both come from
+    output token (None: none); ``prompt_logprobs`` likewise per prompt token (with it,
+    ``max_tokens`` may be 0: the prompt is scored, nothing sampled). Both come from
     the model's raw log-softmax, before penalties, bias, temperature and filters (as vLLM's
     default). ``n`` choices are returned (the best ``n`` of ``best_of`` when set), sharing the
     prompt's prefill. Penalties follow OpenAI (presence, frequency: over the output so far) and
@@ -167,6 +167,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None and name == "seed":
                 continue
+            if name == "max_tokens" and _is_int(value) and value == 0:
+                _check(self.prompt_logprobs is not None, name, "may be 0 only with "
+                       "prompt_logprobs (a request that scores its prompt and samples none)")
+                continue
             _check(bound.holds(value), name, f"must be {bound.describe()}, got {value!r}")
         for name, bound in OPTIONAL_BOUNDS.items():
             value = getattr(self, name)
@@ -174,9 +178,6 @@ class SamplingParams:
                    f"must be {bound.describe()} or null, got {value!r}")
         _check(self.best_of is None or self.best_of >= self.n, "best_of",
                f"must be at least n ({self.n}), got {self.best_of!r}")
-        # Ranking by cumulative logprob needs the sampled tokens' logprobs.
-        _check(self.best_of is None or self.best_of == self.n, "best_of",
-               f"above n ({self.n}) is not implemented by this engine yet")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
                f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         bad = next((b for _, b in self.logit_bias if not LOGIT_BIAS_BOUND.holds(b)), None)

@@ -22,10 +22,10 @@ from asyncinfer.attention.base import AttentionContext, AttentionSpec
 from asyncinfer.attention.host_to_device import upload
 from asyncinfer.attention.registry import backend_class
 from asyncinfer.config import EngineConfig, ModelConfig
-from asyncinfer.core import Batch, ForwardOutput
+from asyncinfer.core import Batch, ForwardOutput, TopLogprobs
 from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.engine.cuda_graph import CudaGraphs, Graph
-from asyncinfer.engine.sampler import Sampler
+from asyncinfer.engine.sampler import Sampler, device_tensor, raw_logprobs, top_logprobs
 from asyncinfer.errors import ConfigError
 from asyncinfer.kernels.cpu import NativeKernels
 from asyncinfer.kernels.cpu import load as load_cpu_kernels
@@ -247,46 +247,84 @@ class ModelRunner:
         with torch.cuda.stream(self.stream):
             # Spans between these events add up to the device's busy time.
             start = torch.cuda.Event(enable_timing=True)
-            tokens, logits = self._enqueue(batch, lambda: start.record(self.stream))
-            out = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            out.copy_(tokens, non_blocking=True)
+            run = self._enqueue(batch, lambda: start.record(self.stream))
+            # Logprobs ride to the host in the same copy as the tokens, before one event.
+            out, logprobs, prompt = (_to_pinned(run.tokens), _pinned(run.logprobs),
+                                     _pinned(run.prompt_logprobs))
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
 
         def wait() -> ForwardOutput:
             done.synchronize()
-            return ForwardOutput(out, logits, start.elapsed_time(done) / 1000)
+            return ForwardOutput(out, run.logits, start.elapsed_time(done) / 1000,
+                                 logprobs, prompt)
 
         return wait
 
     @torch.inference_mode()
     def _forward_here(self, batch: Batch) -> ForwardOutput:
-        return ForwardOutput(*self._enqueue(batch))
+        run = self._enqueue(batch)
+        return ForwardOutput(run.tokens, run.logits, 0.0, run.logprobs, run.prompt_logprobs)
 
-    def _enqueue(self, batch: Batch, computing: Callable[[], None] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the batch on the current stream: its sampled tokens [B] and logits
-        (``computing``: called once the inputs are staged)."""
+    def _enqueue(self, batch: Batch, computing: Callable[[], None] | None = None) -> _Run:
+        """Run the batch on the current stream: its sampled tokens [B], logits and the
+        logprobs asked for (``computing``: called once the inputs are staged). A batch that
+        scores prompt positions runs eagerly: a graph computes the last positions only."""
         host = host_inputs(batch, self.width, self.max_rows)
-        graph = None if self.graphs is None else self.graphs.pick(
+        scores = scored_inputs(batch, host) if batch.scored and any(batch.scored) else None
+        graph = None if self.graphs is None or scores is not None else self.graphs.pick(
             batch.phase, batch.size, len(host.positions))
-        logits = (self._eager(batch, host, computing) if graph is None
-                  else self._replay(batch, host, graph, computing))
+        prompt_logprobs = None
+        if graph is None:
+            logits, scored_logits, targets = self._eager(batch, host, scores, computing)
+            if scored_logits is not None:
+                assert targets is not None and batch.scored is not None
+                k = max(p.prompt_logprobs or 0 for p, n in zip(batch.params, batch.scored)
+                        if n)
+                prompt_logprobs = TopLogprobs(*top_logprobs(
+                    raw_logprobs(scored_logits), self.token_pool.view(-1)[targets], k))
+        else:
+            logits = self._replay(batch, host, graph, computing)
+        # Before sampling: the raw distribution, whatever the sampler does to the logits.
+        wanted = [i for i, (p, s) in enumerate(zip(batch.params, batch.sample))
+                  if s and p.logprobs is not None]
+        raw, index = None, None
+        if wanted:
+            if len(wanted) < batch.size:
+                index = device_tensor(wanted, torch.int64, self.device)
+            raw = raw_logprobs(logits if index is None else logits[index])
         tokens = self.sampler.sample(logits, batch.params, batch.steps)
         self.token_pool.view(-1)[upload(host.write_index, self.device)] = tokens
-        return tokens, logits
+        logprobs = None
+        if raw is not None:
+            k = max(batch.params[i].logprobs or 0 for i in wanted)
+            logprobs = TopLogprobs(*top_logprobs(
+                raw, tokens if index is None else tokens[index], k))
+        return _Run(tokens, logits, logprobs, prompt_logprobs)
 
     def _eager(self, batch: Batch, host: HostInputs,
-               computing: Callable[[], None] | None) -> torch.Tensor:
+               scores: tuple[torch.Tensor, torch.Tensor] | None,
+               computing: Callable[[], None] | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The logits of each request's last position, then those of the scored positions
+        and the flat token-pool index of the token each scores (None, None: none scored)."""
         out_loc = self.page_table.view(-1)[host.input_index]
-        packed = upload(torch.cat([host.input_index, host.positions, out_loc,
-                                   host.last_index]), self.device)
-        index, positions, out_loc_dev, last = packed.split(
-            [len(host.positions)] * 3 + [batch.size])
+        parts = [host.input_index, host.positions, out_loc, host.last_index]
+        sizes = [len(host.positions)] * 3 + [batch.size]
+        if scores is not None:
+            parts += list(scores)
+            sizes += [len(scores[0])] * 2
+        split = upload(torch.cat(parts), self.device).split(sizes)
+        index, positions, out_loc_dev, last = split[:4]
+        if scores is not None:
+            last = torch.cat([last, split[4]])
         attn = AttentionContext(self.backend, self.backend.plan(batch, out_loc_dev))
         if computing is not None:
             computing()
-        return self.forward_logits(self.token_pool.view(-1)[index], positions, attn, last)
+        logits = self.forward_logits(self.token_pool.view(-1)[index], positions, attn, last)
+        if scores is None:
+            return logits, None, None
+        return logits[: batch.size], logits[batch.size :], split[5]
 
     def _replay(self, batch: Batch, host: HostInputs, graph: Graph,
                 computing: Callable[[], None] | None) -> torch.Tensor:
@@ -294,6 +332,28 @@ class ModelRunner:
         inputs = torch.stack([host.input_index, host.positions,
                               self.page_table.view(-1)[host.input_index]])
         return self.graphs.run(graph, batch, inputs, host.last_index, computing)
+
+
+@frozen
+class _Run:
+    """A batch enqueued: its tokens, logits and the logprobs asked for (on the device)."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    logprobs: TopLogprobs | None
+    prompt_logprobs: TopLogprobs | None
+
+
+def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a device tensor, enqueued on the current stream."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    out.copy_(tensor, non_blocking=True)
+    return out
+
+
+def _pinned(logprobs: TopLogprobs | None) -> TopLogprobs | None:
+    return None if logprobs is None else TopLogprobs(_to_pinned(logprobs.values),
+                                                     _to_pinned(logprobs.ids))
 
 
 @frozen
@@ -323,6 +383,18 @@ def host_inputs(batch: Batch, width: int, scratch_row: int) -> HostInputs:
     write = np.where(np.asarray(batch.sample), rows * width + ends, scratch_row * width)
     return HostInputs(*(torch.from_numpy(np.ascontiguousarray(a, np.int64))
                         for a in (input_index, positions, last, write)))
+
+
+def scored_inputs(batch: Batch, host: HostInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``batch.scored``'s positions are among the computed tokens [P], and the flat
+    token-pool index of the token after each [P]: the prompt token it scores."""
+    assert batch.scored is not None
+    lens = np.asarray(batch.extend_lens, np.int64)
+    counts = np.asarray(batch.scored, np.int64)
+    owner = np.repeat(np.arange(batch.size), counts)
+    within = np.arange(int(counts.sum())) - (np.cumsum(counts) - counts)[owner]
+    at = (np.cumsum(lens) - lens)[owner] + within
+    return torch.from_numpy(at), host.input_index[torch.from_numpy(at)] + 1
 
 
 def cuda_kv_budget(device: torch.device, utilization: float) -> int:

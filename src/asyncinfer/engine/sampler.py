@@ -197,6 +197,23 @@ class Sampler:
         return probs
 
 
+def raw_logprobs(logits: Tensor) -> Tensor:
+    """The model's raw distribution, as log-probabilities in float32: the log-softmax of the
+    logits before penalties, bias, temperature and filters."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def top_logprobs(logprobs: Tensor, targets: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Of ``logprobs`` [R, V]: each row's ``targets`` token's, then its ``k`` most probable
+    ones'; returns the values [R, 1 + k] and the ids of the top ``k`` [R, k], most probable
+    first."""
+    chosen = logprobs.gather(-1, targets.unsqueeze(-1))
+    if k == 0:
+        return chosen, targets.new_empty(len(targets), 0)
+    top = logprobs.topk(k, dim=-1)
+    return torch.cat([chosen, top.values], dim=-1), top.indices
+
+
 def _argmax(logits: Tensor) -> Tensor:
     return logits.float().argmax(dim=-1)
 

@@ -155,10 +155,18 @@ class EngineClient(Front):
     def _apply(self, out: msg.Out) -> None:
         self._stats, self._received = out.stats, out.received
         channels = self._channels
-        for uid, token in zip(out.uids, out.tokens):
+        for scored in out.prompts:
+            channel = channels.get(scored.uid)
+            if channel is not None:
+                channel.put_nowait(Event(scored.uid, None, prompt_logprobs=tuple(
+                    None if e is None else e.core() for e in scored.entries)))
+        logprobs = dict(out.logprobs) if out.logprobs else None
+        for i, (uid, token) in enumerate(zip(out.uids, out.tokens)):
             channel = channels.get(uid)
             if channel is not None:
-                channel.put_nowait(Event(uid, token))
+                logprob = logprobs.get(i) if logprobs is not None else None
+                channel.put_nowait(Event(uid, token, logprob=None if logprob is None
+                                         else logprob.core()))
         for end in out.ends:
             channel = channels.pop(end.uid, None)
             if channel is not None:

@@ -37,6 +37,8 @@ class _Box:
     uids: list[int] = attrs.Factory(list)
     tokens: list[int] = attrs.Factory(list)
     ends: list[msg.End] = attrs.Factory(list)
+    logprobs: list[tuple[int, msg.Logprob]] = attrs.Factory(list)
+    prompts: list[msg.PromptLogprobs] = attrs.Factory(list)
 
 
 class _Remote:
@@ -49,7 +51,12 @@ class _Remote:
 
     def put_nowait(self, event: Event) -> None:
         box = self.box
+        if event.prompt_logprobs is not None:
+            box.prompts.append(msg.PromptLogprobs(event.uid, [
+                None if e is None else msg.Logprob.of(e) for e in event.prompt_logprobs]))
         if event.token is not None:
+            if event.logprob is not None:
+                box.logprobs.append((len(box.uids), msg.Logprob.of(event.logprob)))
             box.uids.append(event.uid)
             box.tokens.append(event.token)
         if event.finished:
@@ -160,10 +167,11 @@ class EngineCore:
         self._flush_pending = False
         stats = self.engine.stats()
         for front, box in enumerate(self._boxes):
-            if box.uids or box.ends:
+            if box.uids or box.ends or box.prompts:
                 self._send(front, msg.Out(box.uids, box.tokens, box.ends, stats,
-                                          self._received[front]))
+                                          self._received[front], box.logprobs, box.prompts))
                 box.uids, box.tokens, box.ends = [], [], []
+                box.logprobs, box.prompts = [], []
 
     def _send(self, front: int, out: msg.Out) -> None:
         self._sent_stats[front] = out.stats

@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 import msgspec
 
-from asyncinfer.core import ErrorKind, Event, FinishReason
+from asyncinfer.core import ErrorKind, Event, FinishReason, TokenLogprob
 from asyncinfer.outputs import EngineStats
 from asyncinfer.params import SamplingParams
 
@@ -58,15 +58,41 @@ class End(msgspec.Struct, array_like=True):
         return Event(self.uid, None, reason, self.error, self.prefix_len, kind)
 
 
+class Logprob(msgspec.Struct, array_like=True):
+    """A ``core.TokenLogprob`` on the wire."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+    @classmethod
+    def of(cls, logprob: TokenLogprob) -> Logprob:
+        return cls(logprob.token, logprob.logprob, list(logprob.top))
+
+    def core(self) -> TokenLogprob:
+        return TokenLogprob(self.token, self.logprob, tuple(self.top))
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Request ``uid``'s prompt logprobs (the first None), before its first token or end."""
+
+    uid: int
+    entries: list[Logprob | None]
+
+
 class Out(msgspec.Struct, array_like=True):
     """One round's news for one front: ``tokens[i]`` is request ``uids[i]``'s new token;
-    ``received`` counts the Adds of this front the core has taken (the rest are waiting)."""
+    ``received`` counts the Adds of this front the core has taken (the rest are waiting).
+    ``logprobs``: (i, the logprob of ``tokens[i]``) for the requests that ask for them;
+    ``prompts``: prompt logprobs, each before its request's tokens and end here."""
 
     uids: list[int]
     tokens: list[int]
     ends: list[End]
     stats: EngineStats
     received: int
+    logprobs: list[tuple[int, Logprob]] = []
+    prompts: list[PromptLogprobs] = []
 
 
 def params_fields(params: SamplingParams) -> dict[str, Any]:

@@ -75,10 +75,18 @@ class KVManager:
 
     def match_length(self, req: Req) -> int:
         """Tokens of ``req``'s sequence the prefix cache holds now; pins and touches nothing."""
+        if req.params.prompt_logprobs is not None:
+            return 0
         return self.prefix.match_length(req.token_ids() if req.output_ids else req.prompt_ids)
 
     def match(self, req: Req) -> None:
-        """Attach the longest cached prefix of ``req``'s sequence to it and pin it."""
+        """Attach the longest cached prefix of ``req``'s sequence to it and pin it. A
+        request asking for prompt logprobs matches nothing: a cached prefix has no logits,
+        so its prompt is computed whole (see docs/architecture.md, "Logprobs")."""
+        if req.params.prompt_logprobs is not None:
+            self.epoch += 1
+            req.pages, req.shared_pages, req.cached_len = [], 0, 0
+            return
         found = self.prefix.match_prefix(req.token_ids() if req.output_ids else req.prompt_ids)
         self.epoch += 1
         if found.pages:  # an empty prefix has no pages to pin

@@ -7,6 +7,7 @@ from typing import Any
 
 from attrs import define, field
 
+from asyncinfer.core import TokenLogprob
 from asyncinfer.params import SamplingParams
 
 
@@ -44,6 +45,10 @@ class Req:
     suspect: bool = False
     match_len: int = 0                  # prefix-cache match when last looked up (a hint)
     match_version: int = -1             # the prefix cache's version at that lookup
+    # With prompt_logprobs: entry i is prompt token i + 1's, gathered chunk by chunk until
+    # they go out with the first token (or the finish of a request that samples none).
+    scored: list[TokenLogprob] = field(factory=list)
+    scored_sent: bool = False
 
     @property
     def prompt_len(self) -> int:
@@ -57,6 +62,11 @@ class Req:
     def max_len(self) -> int:
         """The longest this request's sequence can get."""
         return self.prompt_len + self.max_tokens
+
+    @property
+    def scoring(self) -> bool:
+        """Its prompt logprobs are still to be computed."""
+        return self.params.prompt_logprobs is not None and not self.scored_sent
 
     @property
     def admitted(self) -> bool:

@@ -10,7 +10,7 @@ from typing import cast
 from attrs import define, evolve
 
 from asyncinfer.config import EngineConfig
-from asyncinfer.core import Batch, Event, FinishReason
+from asyncinfer.core import Batch, Event, FinishReason, TopLogprobs
 from asyncinfer.errors import EngineError
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import (
@@ -25,6 +25,7 @@ from asyncinfer.scheduler.kv_manager import KVManager
 from asyncinfer.scheduler.prefill import PrefillAdder
 from asyncinfer.scheduler.queue import LiveRunning, LiveWaiting, RunningSet, WaitingQueue
 from asyncinfer.scheduler.request import Req, RowState
+from asyncinfer.scheduler.scoring import gather_scores, sampled_logprobs, scored_counts, scores_out
 from asyncinfer.scheduler.table import RowTable
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class Scheduler:
         elif n > self.config.max_extend_tokens and not self.config.chunked_prefill:
             error = (f"the prompt has {n} tokens, more than max_extend_tokens="
                      f"{self.config.max_extend_tokens}, and chunked prefill is off")
+        elif params.max_tokens == 0 and params.prompt_logprobs is None:
+            error = "max_tokens may be 0 only with prompt_logprobs (a scoring request)"
         if error is not None:
             self._events.append(Event(uid, None, "error", error, error_kind="invalid"))
             return
@@ -292,14 +295,17 @@ class Scheduler:
                       params=[r.params for r in reqs],
                       steps=[r.device_len - r.prompt_len for r in decoding] + [
                           len(r.output_ids) for r in prefilling],
-                      sample=[True] * len(decoding) + [e == r.seq_len for r, e in admitted])
+                      sample=[True] * len(decoding) + [e == r.seq_len and r.max_tokens > 0
+                                                       for r, e in admitted],
+                      scored=scored_counts(decoding, admitted))
         for req in decoding:
             req.cached_len = req.device_len
             req.device_len += 1
         for req, end in admitted:
             req.cached_len = end
             if end == req.seq_len:  # its next token is on the way: it decodes from now on
-                req.device_len = end + 1
+                # A scoring request (max_tokens 0) samples none: it ends once processed.
+                req.device_len = end + (req.max_tokens > 0)
                 self.waiting.remove(req)
                 self.running[req.uid] = req
         phase = "mixed" if decoding and admitted else "decode" if decoding else "prefill"
@@ -309,8 +315,9 @@ class Scheduler:
         """One round without overlap: schedule, run the batch, process its results."""
         scheduled = self.schedule()
         if scheduled is not None:
-            tokens = self.runner.forward(scheduled.batch).next_tokens.tolist()
-            self.process(scheduled, tokens)
+            out = self.runner.forward(scheduled.batch)
+            self.process(scheduled, out.next_tokens.tolist(), out.logprobs,
+                         out.prompt_logprobs)
         return self.take_events()
 
     def take_events(self) -> list[Event]:
@@ -318,18 +325,29 @@ class Scheduler:
         events, self._events = self._events, []
         return events
 
-    def process(self, scheduled: ScheduledBatch, tokens: list[int]) -> None:
-        """Hand each request its token and finish those that are done; in launch order."""
+    def process(self, scheduled: ScheduledBatch, tokens: list[int],
+                logprobs: TopLogprobs | None = None,
+                prompt_logprobs: TopLogprobs | None = None) -> None:
+        """Hand each request its token (and logprobs, as ``ForwardOutput`` has them) and
+        finish those that are done; in launch order."""
         assert scheduled.seq == self._processed + 1, "batches processed out of order"
         self._processed = scheduled.seq
         self.round += 1
         self.tokens_computed += scheduled.batch.num_tokens
         self._release_deferred()
         batch = scheduled.batch
-        for req, row, sampled, token in zip(scheduled.reqs, batch.rows, batch.sample, tokens):
-            # A mid-prompt chunk, or a result for a request finished or preempted since.
-            if not sampled or req.finished or req.row != row:
+        if prompt_logprobs is not None:
+            gather_scores(scheduled.reqs, batch, prompt_logprobs)
+        for req, row, sampled, token, end, logprob in zip(
+                scheduled.reqs, batch.rows, batch.sample, tokens, batch.ends,
+                sampled_logprobs(batch, tokens, logprobs)):
+            if req.finished or req.row != row:  # finished or preempted since
                 continue
+            if not sampled:
+                if req.max_tokens == 0 and end == req.seq_len:  # a scoring request's end
+                    self._finish(req, Event(req.uid, None, "length", prefix_len=req.prefix_len,
+                                            prompt_logprobs=scores_out(req)))
+                continue  # else a mid-prompt chunk
             if req.suspect:  # its lone batch sampled: it batches with the others again
                 req.suspect = False
                 self._suspects.discard(req.uid)
@@ -343,13 +361,20 @@ class Scheduler:
                 reason = "stop"
             elif req.remaining_tokens <= 0:
                 reason = "length"
-            self._events.append(Event(req.uid, token, reason, prefix_len=req.prefix_len))
-            if reason is None and req.params.choices > 1 and len(req.output_ids) == 1:
-                self.kv.share(req)  # its other choices come next: they find the prompt
-            if reason is not None:
-                req.finished = True
-                del self.running[req.uid]
-                self._release(req, keep=True)
+            event = Event(req.uid, token, reason, prefix_len=req.prefix_len, logprob=logprob,
+                          prompt_logprobs=scores_out(req))
+            if reason is None:
+                self._events.append(event)
+                if req.params.choices > 1 and len(req.output_ids) == 1:
+                    self.kv.share(req)  # its other choices come next: they find the prompt
+            else:
+                self._finish(req, event)
+
+    def _finish(self, req: Req, event: Event) -> None:
+        self._events.append(event)
+        req.finished = True
+        del self.running[req.uid]
+        self._release(req, keep=True)
 
     def _running_in_uid_order(self) -> list[Req]:
         return self.running.in_uid_order()

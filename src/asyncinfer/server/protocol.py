@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from asyncinfer.params import BOUNDS, MAX_N, MAX_TENANT_CHARS, MIN_TEMPERATURE
+from asyncinfer.params import BOUNDS, MAX_LOGPROBS, MAX_N, MAX_TENANT_CHARS, MIN_TEMPERATURE
 from asyncinfer.server.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
@@ -202,9 +202,9 @@ class _OpenAISampling(_Sampling):
         if self.best_of is not None and self.best_of < n:
             raise bad_request(f"best_of must be at least n ({n}), got {self.best_of}",
                               "best_of")
-        if self.best_of is not None and self.best_of > n:
-            raise bad_request(f"best_of above n ({n}) is not implemented by this server yet",
-                              "best_of")
+        if self.best_of is not None and self.best_of > n and self.stream:
+            raise bad_request(f"best_of above n ({n}) cannot be streamed: the best choices "
+                              "are known only at the end", "best_of")
         return self
 
     @property
@@ -360,21 +360,40 @@ class ChatCompletionRequest(_OpenAISampling):
             "max_tokens")
 
 
+_Logprobs = Annotated[Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _Integral] | None,
+                      Field(description=f"top alternatives per position, 0 to {MAX_LOGPROBS}")]
+# max_tokens 0 scores the prompt and samples nothing: only with prompt_logprobs.
+_ScoringMaxTokens = Annotated[int, Field(ge=0), _Integral] | None
+
+
 class NativeSampling(_Sampling):
     """``sampling_params`` of ``/generate``: SamplingParams' own fields; others are refused."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    max_tokens: _MaxTokens = None
+    max_tokens: _ScoringMaxTokens = None
     skip_special_tokens: bool | None = None
     tenant: _Tenant = None
+    logprobs: _Logprobs = None
+    prompt_logprobs: _Logprobs = None
 
     def sampling_options(self) -> dict[str, Any]:
         """The SamplingParams keyword options the body sets (``max_tokens`` aside)."""
         options = super().sampling_options()
         if self.tenant is not None:
             options["tenant"] = self.tenant
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
         return options
+
+    @model_validator(mode="after")
+    def _scoring(self) -> NativeSampling:
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise bad_request("sampling_params.max_tokens may be 0 only with prompt_logprobs "
+                              "(a request that scores its prompt and samples nothing)",
+                              "sampling_params.max_tokens")
+        return self
 
     @field_validator("max_tokens")
     @classmethod

@@ -151,9 +151,16 @@ class Routes:
     async def generate(self, call: Call) -> web.StreamResponse:
         parsed = await self._parse(call, translate.generate)
 
+        asks, scores = parsed.params.logprobs is not None, parsed.params.prompt_logprobs
+
         def lines(delta: StreamDelta, first: bool) -> list[Any]:
             line: dict[str, Any] = {"text": delta.text, "token_ids": list(delta.token_ids),
                                     "finish_reason": delta.finish_reason}
+            if asks:
+                line["logprobs"] = translate.native_logprobs(delta.logprobs or [])
+            prompt = getattr(delta, "prompt_logprobs", None)  # a backend's own delta may lack it
+            if prompt is not None:
+                line["prompt_logprobs"] = translate.native_logprobs(prompt)
             if delta.output is not None:
                 line["usage"] = translate.usage(delta.output)
             return [line]
@@ -161,9 +168,13 @@ class Routes:
         if parsed.stream:
             return await self._relay(call, parsed, NDJSON, lines)
         output = await self._run(call, parsed)
-        return web.json_response({"text": output.text, "token_ids": list(output.token_ids),
-                                  "finish_reason": output.finish_reason,
-                                  "usage": translate.usage(output)})
+        body = {"text": output.text, "token_ids": list(output.token_ids),
+                "finish_reason": output.finish_reason, "usage": translate.usage(output)}
+        if asks:
+            body["logprobs"] = translate.native_logprobs(output.logprobs or [])
+        if scores is not None:
+            body["prompt_logprobs"] = translate.native_logprobs(output.prompt_logprobs or [])
+        return web.json_response(body)
 
     async def _openai(self, call: Call, parsed: translate.ParsedRequest,
                       fmt: translate.Formatter) -> web.StreamResponse:

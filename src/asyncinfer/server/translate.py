@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from attrs import evolve, frozen
@@ -17,6 +17,7 @@ from asyncinfer.server.errors import APIError, bad_request
 
 if TYPE_CHECKING:
     from asyncinfer.api import RequestOutput
+    from asyncinfer.core import TokenLogprob
 
 
 class TextEncoder(Protocol):
@@ -129,6 +130,14 @@ def usage(output: RequestOutput) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": output.cached_tokens}}
+
+
+def native_logprobs(entries: Sequence[TokenLogprob | None]) -> list[dict[str, Any] | None]:
+    """``/generate``'s logprobs: ``{"token_id", "logprob", "top_logprobs": [[id, lp], ...]}``
+    per position (None where there is none: a prompt's first token)."""
+    return [None if e is None else {"token_id": e.token, "logprob": e.logprob,
+                                    "top_logprobs": [list(pair) for pair in e.top]}
+            for e in entries]
 
 
 @frozen
