@@ -235,7 +235,8 @@ class Front(ABC):
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None
                        ) -> RequestOutput:
-        """Run one request to the end (woken once, unless stop strings need the stream)."""
+        """Run one request to the end (woken once, unless stop strings or ``n`` > 1 choices
+        need the stream)."""
         request = self._open(prompt, params)
         if request.params.stop or request.params.choices > 1:
             output = None
