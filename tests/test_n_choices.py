@@ -165,6 +165,46 @@ def test_choices_queue_under_memory_pressure(tiny_llama_dir: Path) -> None:
     llm.scheduler.check_invariants()
 
 
+def test_preempted_choices_end_with_their_own_tokens(tiny_llama_dir: Path) -> None:
+    """Two slots: two of the three choices run, and a request of better priority preempts
+    one of them; every choice still ends with the tokens its seed samples alone."""
+    options = {"dtype": "float32", "page_size": PAGE, "max_running_requests": 2,
+               "num_pages": 256, "max_seq_len": 128}
+    ids = prompt(21, seed=8)
+    params = sampled(3, max_tokens=40, priority=5)
+    alone = LLM(str(tiny_llama_dir), skip_tokenizer_init=True, **options)
+    expected = [o.token_ids for o in alone.generate(
+        [ids] * 3, [params.replace(n=1, seed=choice_seed(11, i)) for i in range(3)],
+        use_tqdm=False)]
+    alone.close()
+
+    preempted: list[int] = []
+
+    async def run() -> list[list[int]]:
+        async with AsyncEngine(str(tiny_llama_dir), skip_tokenizer_init=True,
+                               policy="priority", **options) as engine:
+            sched = engine.scheduler
+            preempt = sched.preempt
+
+            def counted(uid: int, keep_prefix: bool = False) -> bool:
+                preempted.append(uid)
+                return preempt(uid, keep_prefix)
+
+            sched.preempt = counted  # type: ignore[method-assign]
+            task = asyncio.ensure_future(engine.generate(ids, params))
+            while engine.stats().running < 2:
+                await asyncio.sleep(0.005)
+            await engine.generate(prompt(9, seed=1), sampled(1, max_tokens=4))
+            out = await task
+            await engine.wait_idle()
+            sched.check_invariants()
+            assert not sched.running and not sched.waiting
+            return [o.token_ids for o in out.outputs]
+
+    assert asyncio.run(run()) == expected
+    assert preempted, "a choice was preempted"
+
+
 def test_best_of_returns_the_n_most_likely(tiny_llama_dir: Path) -> None:
     llm = tiny_llm(tiny_llama_dir)
     ids = prompt(18, seed=4)
