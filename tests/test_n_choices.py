@@ -335,6 +335,11 @@ def test_http_list_of_prompts_times_n(client: Any) -> None:
                                                    for s in singles)
     assert _completion_texts(client, True, prompt=prompts, **body) == [
         c.text for c in response.choices]
+    chunks = list(client.completions.create(model=NAME, prompt=prompts, stream=True,
+                                            stream_options={"include_usage": True}, **body))
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens == response.usage.prompt_tokens
+    assert usage[0].completion_tokens == response.usage.completion_tokens
     ids = [[1, 2, 3, 4], [5, 6, 7]]
     by_ids = client.completions.create(model=NAME, prompt=ids, **body)
     assert [c.index for c in by_ids.choices] == [0, 1, 2, 3]
