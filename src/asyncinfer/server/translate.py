@@ -39,6 +39,12 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     thinking: bool = True  # False: a chat that asked for no reasoning (enable_thinking)
+    batch: tuple[list[int], ...] = ()   # every prompt, where the body listed several
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """The prompts to run: the batch, else the one."""
+        return list(self.batch) or [self.prompt_ids]
 
 
 def check_model(body: Mapping[str, Any], served: str) -> None:
@@ -56,9 +62,12 @@ async def completion(body: Mapping[str, Any], encoder: TextEncoder,
                      limits: protocol.Limits) -> ParsedRequest:
     """A ``/v1/completions`` body; ``max_tokens`` defaults to SamplingParams' (OpenAI's 16)."""
     req = protocol.validate(protocol.CompletionRequest, body, limits)
-    ids = await _prompt_ids(req.prompt, encoder, limits, "prompt")
+    prompts = req.prompts
+    batch = [await _prompt_ids(p, encoder, limits, f"prompt[{i}]" if len(prompts) > 1
+                               else "prompt") for i, p in enumerate(prompts)]
     params = _params(req.sampling_options(), req.max_tokens)
-    return ParsedRequest(ids, params, bool(req.stream), req.include_usage)
+    return ParsedRequest(batch[0], params, bool(req.stream), req.include_usage,
+                         tuple(batch) if len(batch) > 1 else ())
 
 
 async def chat(body: Mapping[str, Any], encoder: TextEncoder,
@@ -123,8 +132,10 @@ def _params(options: Mapping[str, Any], max_tokens: int | None,
 
 def usage(output: RequestOutput) -> dict[str, Any]:
     """OpenAI's usage object of a finished request, with the prompt tokens the prefix cache
-    held (``prompt_tokens_details.cached_tokens``)."""
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+    held (``prompt_tokens_details.cached_tokens``): the prompt counted once, every choice's
+    tokens."""
+    prompt = len(output.prompt_token_ids)
+    completion = sum(len(choice.token_ids) for choice in output.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": output.cached_tokens}}
@@ -160,15 +171,18 @@ class Formatter:
                 "model": self.model, "choices": choices}
 
     def response(self, output: RequestOutput) -> dict[str, Any]:
-        """The whole (non-streamed) response."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                  "finish_reason": output.finish_reason}
-        if self.chat:
-            choice["message"] = self.message(output.text)
-        else:
-            choice["text"] = output.text
+        """The whole (non-streamed) response: a choice per ``output.outputs``."""
+        choices = []
+        for one in output.outputs:
+            choice: dict[str, Any] = {"index": one.index, "logprobs": None,
+                                      "finish_reason": one.finish_reason}
+            if self.chat:
+                choice["message"] = self.message(one.text)
+            else:
+                choice["text"] = one.text
+            choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(kind, [choice]), "usage": usage(output)}
+        return {**self._envelope(kind, choices), "usage": usage(output)}
 
     def message(self, text: str) -> dict[str, Any]:
         """A chat's whole message; with a reasoning parser, the reasoning apart."""
@@ -179,10 +193,13 @@ class Formatter:
                 "reasoning_content": split.reasoning, "refusal": None}
 
     def chunk(self, text: str, finish_reason: str | None, *, first: bool = False,
-              include_usage: bool = False, reasoning: str = "") -> dict[str, Any]:
-        """One stream chunk; a chat's first chunk also carries the assistant role;
-        ``reasoning``: the delta's reasoning text (``text`` its content)."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+              include_usage: bool = False, reasoning: str = "", index: int = 0
+              ) -> dict[str, Any]:
+        """One stream chunk of choice ``index``; a chat's first chunk of each choice also
+        carries the assistant role; ``reasoning``: the delta's reasoning text (``text`` its
+        content)."""
+        choice: dict[str, Any] = {"index": index, "logprobs": None,
+                                  "finish_reason": finish_reason}
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else (
                 {"content": text} if text else {})
@@ -203,3 +220,13 @@ class Formatter:
         """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(kind, []), "usage": usage(output)}
+
+
+def merge(outputs: list[RequestOutput], n: int) -> RequestOutput:
+    """The outputs of a list of prompts as one: choices prompt-major (prompt i's choice j is
+    ``i * n + j``), prompt and cached tokens summed (one usage), timed as the first."""
+    prompt_ids = [t for o in outputs for t in o.prompt_token_ids]
+    choices = [evolve(c, index=i * n + c.index) for i, o in enumerate(outputs)
+               for c in o.outputs]
+    return evolve(outputs[0], prompt_token_ids=prompt_ids, outputs=choices,
+                  cached_tokens=sum(o.cached_tokens for o in outputs))
