@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.util import machine
+
 # What one run executes, in the checkout under test: only the public API, which both sides
 # share. The workload is drawn as benchmarks.offline's cpu workload (random.Random(0)).
 RUN = r"""
@@ -75,22 +77,6 @@ def _commit(checkout: Path) -> str:
     return done.stdout.strip() or "unknown"
 
 
-def _machine() -> dict[str, Any]:
-    name, flags = "unknown", set[str]()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == "unknown":
-                name = value.strip()
-            if key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-    return {"cpu": name, "flags": [f for f in wanted if f in flags],
-            "cores": len(os.sched_getaffinity(0))}
-
-
 def _run(checkout: Path, model: str, dtype: str, variant: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(checkout / "src"))
     done = subprocess.run([sys.executable, "-c", RUN, model, dtype, variant],
@@ -142,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"--pairs {args.pairs} --base-variant {args.base_variant} "
                     f"--new-variant {args.new_variant}"),
         "base_commit": _commit(base), "new_commit": _commit(new),
-        "machine": _machine(), "model": Path(model).name, "dtype": args.dtype,
+        "machine": machine(), "model": Path(model).name, "dtype": args.dtype,
         "variants": {"base": args.base_variant, "new": args.new_variant},
         "same_tokens": len({r["digest"] for r in runs}) == 1,
         "median_tokens_per_s": {"base": median("base"), "new": median("new")},

@@ -12,71 +12,37 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ab import _machine
-from benchmarks.util import git_commit, write_report
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) * 1024
+from benchmarks.util import (
+    git_commit,
+    machine,
+    process_tree,
+    rss,
+    start_serve,
+    stop,
+    write_report,
+)
 
 
 def _name(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
 
 
-def _tree(pid: int) -> list[int]:
-    try:
-        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-    return children + [d for c in children for d in _tree(c)]
-
-
 def measure(fp32_compute: str, settle_s: float) -> dict[str, Any]:
     """One server's idle resident memory, by process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port),
-               "--device", "cpu", "--cpu-fp32-compute", fp32_compute]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True)
+    server, command = start_serve("--device", "cpu", "--cpu-fp32-compute", fp32_compute,
+                                  timeout=600)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None:
-                err = server.stderr.read() if server.stderr else ""
-                raise RuntimeError(f"the server exited: {err[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health",
-                                            timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not come up in 600 s")
-            time.sleep(0.5)
         time.sleep(settle_s)
-        pids = [server.pid, *_tree(server.pid)]
+        pids = [server.pid, *process_tree(server.pid)]
         processes: list[dict[str, Any]] = [
-            {"pid": p, "command": _name(p), "rss_bytes": _rss(p)} for p in pids]
+            {"pid": p, "command": _name(p), "rss_bytes": rss(p)} for p in pids]
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop(server)
     total = sum(int(p["rss_bytes"]) for p in processes)
     return {"cpu_fp32_compute": fp32_compute, "command": " ".join(command[1:]),
             "total_gb": round(total / 1e9, 3), "processes": processes}
@@ -99,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     write_report(args.json, {
         "benchmark": "idle_memory", "command": " ".join(["python", "-m",
                                                          "benchmarks.idle_memory", *sys.argv[1:]]),
-        "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": _machine(),
+        "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(),
         "memory_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
         "runs": runs})
 

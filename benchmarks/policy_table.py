@@ -24,7 +24,7 @@ from benchmarks.serve_sweep import (
     split_argv,
     workload_flags,
 )
-from benchmarks.util import git_commit, write_report
+from benchmarks.util import git_commit, machine, write_report
 
 # The --help epilog: how to run it.
 USAGE = """\
@@ -148,7 +148,7 @@ def main() -> int:
     policies = args.policies.split(",")
     order = run_order(policies, args.rounds)
     record: dict[str, Any] = {
-        "benchmark": "policy-table", "commit": git_commit(),
+        "benchmark": "policy-table", "commit": git_commit(), "machine": machine(),
         "model": f"{args.shape} (dummy weights)" if args.shape else "embedded",
         "engine_flags": engine_flags, "policy_opt": args.policy_opt, "order": order,
         "bench_flags": [*bench_flags(args), *workload_flags(args),

@@ -20,7 +20,6 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from asyncinfer.core import Batch, ForwardOutput
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.registry import available_policies, load_policy
 from asyncinfer.scheduler.scheduler import Scheduler
-from benchmarks.util import git_commit, write_report
+from benchmarks.util import git_commit, machine, write_report
 
 DEPTHS = (0, 100, 1_000, 10_000)
 POLICIES = ("prefill_first", "decode_first", "stall_free", "skip_ahead", "priority", "lpm",
@@ -108,23 +107,6 @@ def measure(policy: str, depths: list[int], rows: int, rounds: int, warmup: int,
     return times
 
 
-def machine() -> dict[str, Any]:
-    name, flags = platform.processor() or "unknown", set[str]()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name in ("unknown", platform.processor()):
-                name = value.strip()
-            if key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-    return {"cpu": name, "flags": [f for f in wanted if f in flags],
-            "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "load_average": list(os.getloadavg())}
-
-
 def _without_json(args: list[str]) -> list[str]:
     kept, skip = [], False
     for arg in args:
@@ -175,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         # Where the record was written is no part of the command that measured it.
         "command": "python -m benchmarks.scheduler_round " + " ".join(_without_json(
             argv if argv is not None else sys.argv[1:])),
-        "commit": git_commit(), "machine": machine(),
+        "commit": git_commit(), "machine": {**machine(), "python": platform.python_version(),
+                                             "load_average": list(os.getloadavg())},
         "setting": {"rows": args.rows, "rounds": args.rounds, "warmup": args.warmup,
                     "repeats": args.repeats, "prompt_len": args.prompt_len,
                     "page_size": 16, "cache_type": "radix"},

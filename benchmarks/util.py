@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import socket
 import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +35,74 @@ def write_report(path: str | None, report: Any) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def machine() -> dict[str, Any]:
+    """The CPU a record came from: its model name, the vector and matrix flags the kernels
+    care about, and the usable cores (figures compare only on the same kind)."""
+    name, flags = platform.processor() or "unknown", set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name in ("unknown", platform.processor()):
+                name = value.strip()
+            if key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+    return {"cpu": name, "flags": [f for f in wanted if f in flags],
+            "cores": len(os.sched_getaffinity(0))}
+
+def rss(pid: int | str = "self") -> int:
+    """Resident bytes of process ``pid`` (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def process_tree(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc)."""
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return children + [d for c in children for d in process_tree(c)]
+
+
+def start_serve(*flags: str, timeout: float) -> tuple[subprocess.Popen[str], list[str]]:
+    """An `asyncinfer serve` with ``flags`` on a free loopback port, once /health answers
+    200 (its stderr a pipe), and its command; RuntimeError if it exits first or does not
+    answer within ``timeout`` seconds (then it is killed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port), *flags]
+    server = subprocess.Popen(command, env=os.environ.copy(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.poll() is not None:
+            err = server.stderr.read() if server.stderr else ""
+            raise RuntimeError(f"the server exited: {err[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health",
+                                        timeout=2) as response:
+                if response.status == 200:
+                    return server, command
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            stop(server)
+            raise RuntimeError(f"the server did not come up in {timeout:g} s")
+        time.sleep(0.5)
+
+
+def stop(server: subprocess.Popen[str]) -> None:
+    """SIGTERM, then SIGKILL if the server lingers 60 s."""
+    server.terminate()
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()

@@ -439,6 +439,28 @@ def test_the_policy_table_takes_each_policys_median_run() -> None:
     assert markdown(searched).splitlines()[2].endswith("| 0.750 |")
 
 
+def test_the_policy_table_record_names_the_machine(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record says which CPU its figures came from, as the other benchmarks' do: a
+    run with the servers and the load stood in for."""
+    import contextlib
+    import json
+    import os
+    import sys
+
+    import benchmarks.policy_table as table
+
+    monkeypatch.setattr(table, "serving", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(table, "run_rate", lambda *a, **k: _run_report(100, 90))
+    monkeypatch.setattr(sys, "argv", ["policy_table", "--out", str(tmp_path), "--rate", "1",
+                                      "--policies", "a,b", "--warmup", "0"])
+    assert table.main() == 0
+    record = json.loads((tmp_path / "policy-table.json").read_text())
+    assert set(record["machine"]) == {"cpu", "flags", "cores"}
+    assert record["machine"]["cores"] == len(os.sched_getaffinity(0))
+    assert [row["policy"] for row in record["table"]] == ["a", "b"]
+
+
 def test_the_scenarios_parse_their_own_flags() -> None:
     from benchmarks.scenarios import build_parser, longest_output
 

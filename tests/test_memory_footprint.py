@@ -3,16 +3,12 @@ it fills: an idle `asyncinfer serve` of the embedded model stays under 1.5 GB.""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from benchmarks.util import process_tree, rss, start_serve, stop
 
 from asyncinfer.kvcache.pool import CPU_MEMORY_SHARE, KVPool, cpu_kv_budget
 
@@ -42,31 +38,15 @@ def test_the_cpu_pool_holds_one_whole_sequence_where_memory_allows() -> None:
     assert cpu_kv_budget(one, 8192, 64, 4 * GiB) == 2 * GiB
 
 
-def _rss(pid: int | str = "self") -> int:
-    """Resident bytes of process ``pid`` (Linux /proc)."""
-    with open(f"/proc/{pid}/status") as f:
-        line = next(line for line in f if line.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
-
-
 def test_a_cpu_pool_holds_memory_only_as_it_is_written() -> None:
     """A 1 GiB pool adds (almost) nothing resident, reads zeros, and grows by what is written."""
-    before = _rss()
+    before = rss()
     pool = KVPool(4, 2**13, 16, 8, 64, torch.bfloat16, torch.device("cpu"))  # 2 x 512 MiB
     assert pool.k.numel() * 2 + pool.v.numel() * 2 == GiB
-    assert _rss() - before < 64 * 2**20
+    assert rss() - before < 64 * 2**20
     assert not pool.k[3].any() and not pool.v[0, -16:].any()  # zeroed, read or not
     pool.k[0].fill_(1.0)  # one layer's K: 128 MiB
-    assert _rss() - before > 100 * 2**20
-
-
-def _tree(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(c) for c in f.read().split()]
-    except OSError:
-        return []
-    return children + [d for c in children for d in _tree(c)]
+    assert rss() - before > 100 * 2**20
 
 
 @pytest.mark.slow
@@ -76,38 +56,16 @@ def test_an_idle_server_of_the_embedded_model_holds_under_one_and_a_half_gb(
     """`asyncinfer serve` with its defaults on CPU, once /health answers 200: the resident
     memory of the server and every process below it sums to under 1.5 GB; the banner's KV
     line names the flags that size the pool."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "asyncinfer.cli", "serve", "--port",
-                               str(port), "--device", "cpu", "--cpu-fp32-compute",
-                               fp32_compute], env=os.environ.copy(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server, _ = start_serve("--device", "cpu", "--cpu-fp32-compute", fp32_compute,
+                            timeout=300)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, server.stderr.read() if server.stderr else ""
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health",
-                                            timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.5)
         time.sleep(2.0)  # idle: whatever start-up left behind has settled
-        processes = [server.pid, *_tree(server.pid)]
+        processes = [server.pid, *process_tree(server.pid)]
         assert len(processes) >= 2  # the front and the engine core at least
-        total = sum(_rss(pid) for pid in processes)
+        total = sum(rss(pid) for pid in processes)
         assert total < 1.5e9, f"{total / 1e9:.2f} GB over {len(processes)} processes"
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop(server)
     assert server.stderr is not None
     [kv] = [line for line in server.stderr.read().splitlines() if line.startswith("  KV cache")]
     assert "--kv-cache-gb" in kv and "--num-pages" in kv, kv

@@ -153,16 +153,30 @@ def test_stall_free_on_the_embedded_model_equals_prefill_first_and_transformers(
     assert got["stall_free"] == got["prefill_first"] == embedded_reference
 
 
+# Per policy through the server: its flags, how many times each prompt is sent at once,
+# and the metric whose count shows the policy at work.
+SERVED: dict[str, tuple[tuple[str, ...], int, str]] = {
+    # Concurrent token-id prompts, so decodes share batches with prefills.
+    "stall_free": ((), 1, 'asyncinfer_batches_total{phase="mixed"}'),
+    # Radix: each prompt sent twice at once, so later copies match what earlier ones cached
+    # and lpm reorders them.
+    "lpm": (("--cache-type", "radix"), 2, "asyncinfer_prefix_cache_hits"),
+}
+
+
 @pytest.mark.slow
-async def test_stall_free_through_the_server_is_token_exact(
-        smollm2_dir: Path, embedded_reference: list[list[int]]) -> None:
-    """Concurrent completions of token-id prompts, so decodes share batches with prefills."""
+@pytest.mark.parametrize("policy", SERVED)
+async def test_a_policy_through_the_server_is_token_exact(
+        smollm2_dir: Path, embedded_reference: list[list[int]], policy: str) -> None:
+    """stall_free (batches mixed) and lpm (prefix-cache hits) with chunked prefill, under
+    concurrent completions: every answer is transformers'."""
     import aiohttp
 
     from tests.test_server_process import start_server
 
-    proc, url = start_server(smollm2_dir, "--policy", "stall_free", "--max-extend-tokens", "16",
-                             "--chunked-prefill")
+    flags, copies, counter = SERVED[policy]
+    proc, url = start_server(smollm2_dir, "--policy", policy, "--max-extend-tokens", "16",
+                             "--chunked-prefill", *flags)
     try:
         async with aiohttp.ClientSession() as session:
             async def one(prompt: list[int]) -> list[int]:
@@ -173,47 +187,12 @@ async def test_stall_free_through_the_server_is_token_exact(
                     data = await resp.json()
                 return list(data["token_ids"])
 
-            got = await asyncio.gather(*(one(p) for p in embedded_prompts()))
+            got = await asyncio.gather(*(one(p) for p in embedded_prompts() * copies))
             async with session.get(f"{url}/metrics") as resp:
                 metrics = await resp.text()
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
-    assert list(got) == embedded_reference
-    mixed = next(line for line in metrics.splitlines()
-                 if line.startswith('asyncinfer_batches_total{phase="mixed"}'))
-    assert float(mixed.split()[-1]) > 0
-
-
-@pytest.mark.slow
-async def test_lpm_through_the_server_is_token_exact(
-        smollm2_dir: Path, embedded_reference: list[list[int]]) -> None:
-    """lpm with radix and chunked prefill: each prompt sent twice at once, so later copies
-    match what earlier ones cached and lpm reorders them; every answer is transformers'."""
-    import aiohttp
-
-    from tests.test_server_process import start_server
-
-    proc, url = start_server(smollm2_dir, "--policy", "lpm", "--max-extend-tokens", "16",
-                             "--chunked-prefill", "--cache-type", "radix")
-    try:
-        async with aiohttp.ClientSession() as session:
-            async def one(prompt: list[int]) -> list[int]:
-                body = {"input_ids": prompt, "sampling_params": {
-                    "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}}
-                async with session.post(f"{url}/generate", json=body) as resp:
-                    assert resp.status == 200, await resp.text()
-                    data = await resp.json()
-                return list(data["token_ids"])
-
-            prompts = embedded_prompts()
-            got = await asyncio.gather(*(one(p) for p in prompts + prompts))
-            async with session.get(f"{url}/metrics") as resp:
-                metrics = await resp.text()
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
-    assert list(got) == embedded_reference + embedded_reference
-    hits = next(line for line in metrics.splitlines()
-                if line.startswith("asyncinfer_prefix_cache_hits"))
-    assert float(hits.split()[-1]) > 0  # the second copies matched the first ones'
+    assert list(got) == embedded_reference * copies
+    count = next(line for line in metrics.splitlines() if line.startswith(counter))
+    assert float(count.split()[-1]) > 0

@@ -50,6 +50,7 @@ class Delta:
     output: RequestOutput | None
     logprobs: list[Any] | None = None           # the stub computes none
     prompt_logprobs: list[Any] | None = None
+    index: int = 0
 
 
 @frozen
@@ -201,7 +202,8 @@ BAD_INPUTS = [
     (C, {"prompt": "hi", "user": "u" * 257}, 400, "user", None),
     (C, {"prompt": "hi", "stop": 5}, 400, "stop", None),
     (C, {"prompt": "hi", "stop": [""]}, 400, "stop", None),
-    (C, {"prompt": "hi", "n": 2}, 400, "n", None),
+    (C, {"prompt": "hi", "n": 17}, 400, "n", None),
+    (C, {"prompt": "hi", "n": 2, "best_of": 1}, 400, "best_of", None),
     (C, {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos", None),
     (C, {"prompt": "hi", "stream": "yes"}, 400, "stream", None),
     (C, {"prompt": "hi", "stream": True, "stream_options": "x"}, 400, "stream_options", None),
@@ -215,8 +217,11 @@ BAD_INPUTS = [
      "context_length_exceeded"),
     (C, {"prompt": list(range(1, CONTEXT + 1)), "echo": True, "logprobs": 1,
          "max_tokens": 0}, 400, "prompt", "context_length_exceeded"),
-    (C, {"prompt": ["a", "b"]}, 400, "prompt", None),
-    (C, {"prompt": [[1], [2]]}, 400, "prompt", None),
+    (C, {"prompt": ["a", ""]}, 400, "prompt[1]", None),
+    (C, {"prompt": [[1], []]}, 400, "prompt[1]", None),
+    (C, {"prompt": ["a"] * 9, "n": 16}, 400, "prompt", None),
+    (C, {"prompt": ["a", "b"], "echo": True, "logprobs": 1}, 400, "echo", None),
+    (C, {"prompt": "hi", "n": 2, "echo": True, "logprobs": 1}, 400, "echo", None),
     (C, {}, 400, "prompt", None),
     (C, {"prompt": 12}, 400, "prompt", None),
     (C, {"prompt": ""}, 400, "prompt", None),
@@ -526,7 +531,7 @@ async def test_health(client: TestClient) -> None:
 async def test_metrics_exposes_outcomes_tokens_latencies_and_engine_state(
         client: TestClient) -> None:
     await client.post(C, json={"prompt": "hello", "max_tokens": 3})
-    await client.post(C, json={"prompt": "hi", "n": 3})
+    await client.post(C, json={"prompt": "hi", "n": 17})
     resp = await client.get("/metrics")
     assert resp.status == 200 and resp.content_type == "text/plain"
     text = await resp.text()

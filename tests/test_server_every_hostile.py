@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-import time
 import zlib
 from pathlib import Path
 
-from tests.test_server_process import start_server
+from tests.test_server_process import nothing_held, start_server
 
 KEY = "s3cret"
 AUTH = f"Authorization: Bearer {KEY}".encode()
@@ -108,18 +107,7 @@ async def test_after_every_hostile_request_nothing_is_held_and_a_request_is_serv
                                    headers={"Content-Encoding": "gzip",
                                             "Content-Type": "application/json"})
             assert gzipped.status == 200
-            deadline = time.monotonic() + 120  # a poll bound for a loaded machine
-            while True:
-                async with s.get(f"{url}/metrics") as response:
-                    text = await response.text()
-                held = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                        if line.startswith(("asyncinfer_requests_running ",
-                                            "asyncinfer_requests_waiting ",
-                                            "asyncinfer_kv_pages_used "))}
-                if len(held) == 3 and not any(held.values()):
-                    break
-                assert time.monotonic() < deadline, held
-                await asyncio.sleep(0.2)
+            text = await nothing_held(s, url, timeout=120)
             failed = next(float(line.split()[1]) for line in text.splitlines() if line.startswith(
                 'asyncinfer_requests_total{outcome="failed"}'))
             assert failed == 0, text

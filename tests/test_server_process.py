@@ -36,14 +36,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model: Path, *extra: str,
-                 port: int | None = None) -> tuple[subprocess.Popen[str], str]:
-    """An `asyncinfer serve` process on ``port`` (default: a free loopback port), once
-    /health says ok."""
-    proc, url = launch_server(model, *extra, port=port)
+def start_server(model: Path, *extra: str, port: int | None = None,
+                 env: dict[str, str] | None = None, own_session: bool = False,
+                 timeout: float = 120) -> tuple[subprocess.Popen[str], str]:
+    """An `asyncinfer serve` process as `launch_server` starts it, once /health says ok
+    (killed if it does not within ``timeout`` seconds, a bound for a hung start)."""
+    proc, url = launch_server(model, *extra, port=port, env=env, own_session=own_session)
     import urllib.request
 
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             raise AssertionError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
@@ -59,10 +60,12 @@ def start_server(model: Path, *extra: str,
         time.sleep(0.5)
 
 
-def launch_server(model: Path, *extra: str,
-                  port: int | None = None) -> tuple[subprocess.Popen[str], str]:
+def launch_server(model: Path, *extra: str, port: int | None = None,
+                  env: dict[str, str] | None = None,
+                  own_session: bool = False) -> tuple[subprocess.Popen[str], str]:
     """An `asyncinfer serve` process on ``port`` (default: a free loopback port), just
-    started."""
+    started, with ``env`` (default: this one's environment); with ``own_session``, in a
+    session of its own (a terminal's hang-up reaches every process of it)."""
     port = port or _free_port()
     _, target = engine_under_test()
     cmd = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port),
@@ -70,8 +73,10 @@ def launch_server(model: Path, *extra: str,
            "--device", target["device"], "--dtype", target["dtype"],
            "--max-running-requests", "4", "--kv-cache-gb", "0.5",
            "--cache-type", target["cache_type"], *extra]
-    proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=os.environ.copy() if env is None else env,
+                            stdin=subprocess.DEVNULL if own_session else None,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=own_session)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -234,18 +239,24 @@ async def test_a_storm_with_hang_ups_leaves_nothing_held(server: str) -> None:
 
     async with aiohttp.ClientSession() as session:
         await storm_with_hang_ups(_Session(session, server), 60, max_tokens=8)
-        deadline = time.monotonic() + 30
-        while True:
-            async with session.get(f"{server}/metrics") as response:
-                text = await response.text()
-            held = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                    if line.startswith(("asyncinfer_requests_running ",
-                                        "asyncinfer_requests_waiting ",
-                                        "asyncinfer_kv_pages_used "))}
-            if len(held) == 3 and not any(held.values()):
-                break
-            assert time.monotonic() < deadline, held
-            await asyncio.sleep(0.1)
+        await nothing_held(session, server, timeout=30)
+
+
+async def nothing_held(session: Any, url: str, timeout: float) -> str:
+    """Polls ``url``'s /metrics until nothing runs, waits or holds a KV page (failing after
+    ``timeout`` seconds, a bound for a loaded machine); the last metrics text."""
+    deadline = time.monotonic() + timeout
+    while True:
+        async with session.get(f"{url}/metrics") as response:
+            text = await response.text()
+        held = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith(("asyncinfer_requests_running ",
+                                    "asyncinfer_requests_waiting ",
+                                    "asyncinfer_kv_pages_used "))}
+        if len(held) == 3 and not any(held.values()):
+            return str(text)
+        assert time.monotonic() < deadline, held
+        await asyncio.sleep(0.1)
 
 
 def descendants(pid: int) -> list[int]:

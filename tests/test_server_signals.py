@@ -9,42 +9,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import engine_under_test
-from tests.test_server_process import NAME, _free_port, descendants, none_left, spawned
+from tests.test_server_process import descendants, none_left, spawned, start_server
 
 
 def serve(model: Path, tmp: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
     """`asyncinfer serve` in a session of its own (a terminal's hang-up reaches every process
     of it), its temporary files under ``tmp``, once /health says ok."""
-    port = _free_port()
-    _, target = engine_under_test()
-    cmd = [sys.executable, "-m", "asyncinfer.cli", "serve", "--port", str(port),
-           "--model", str(model), "--served-model-name", NAME,
-           "--device", target["device"], "--dtype", target["dtype"],
-           "--max-running-requests", "4", "--kv-cache-gb", "0.5",
-           "--cache-type", target["cache_type"], *extra]
-    proc = subprocess.Popen(cmd, env={**os.environ, "TMPDIR": str(tmp)},
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300  # a bound for a hung start, not a measurement
-    while True:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
-                if response.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.3)
+    return start_server(model, *extra, env={**os.environ, "TMPDIR": str(tmp)},
+                        own_session=True, timeout=300)
 
 
 def leftovers(tmp: Path) -> list[str]:

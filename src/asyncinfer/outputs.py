@@ -7,13 +7,13 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 
 from asyncinfer.core import ErrorKind, Event, FinishReason, TokenLogprob
 from asyncinfer.errors import InvalidRequestError
-from asyncinfer.params import SamplingParams
+from asyncinfer.params import SamplingParams, choice_seed
 from asyncinfer.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -29,11 +29,26 @@ class RequestMetrics:
 
 
 @frozen
+class CompletionOutput:
+    """One returned choice of a request: ``index`` is its place among the ``n`` returned."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+
+
+@frozen
 class RequestOutput:
     """The result of one request; with finish_reason "error", ``error`` says what and
     ``error_kind`` whose fault (see ``core.ErrorKind``). ``logprobs``: one per output token
     when ``params.logprobs`` is set; ``prompt_logprobs``: one per prompt token (the first
-    None) when ``params.prompt_logprobs`` is set (see ``core.TokenLogprob``)."""
+    None) when ``params.prompt_logprobs`` is set (see ``core.TokenLogprob``). ``outputs``
+    holds every returned choice (``n`` of them); ``text``, ``token_ids``, ``finish_reason``
+    and ``logprobs`` are choice 0's, and ``cached_tokens`` counts the prompt once, as choice
+    0 found it."""
 
     request_id: int
     prompt: str | None
@@ -47,6 +62,12 @@ class RequestOutput:
     error_kind: ErrorKind | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    outputs: list[CompletionOutput] = field()
+
+    @outputs.default
+    def _one_choice(self) -> list[CompletionOutput]:
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason,
+                                 self.logprobs, _cumulative(self.logprobs))]
 
 
 @frozen
@@ -61,6 +82,7 @@ class StreamDelta:
     output: RequestOutput | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0      # which choice it belongs to (``n`` > 1)
 
 
 @frozen
@@ -213,11 +235,12 @@ class Front(ABC):
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None
                        ) -> RequestOutput:
-        """Run one request to the end (woken once, unless stop strings need the stream)."""
+        """Run one request to the end (woken once, unless stop strings or ``n`` > 1 choices
+        need the stream)."""
         request = self._open(prompt, params)
-        if request.params.stop:
+        if request.params.stop or request.params.choices > 1:
             output = None
-            async for delta in self._deltas(request):
+            async for delta in self._streamed(request):
                 output = delta.output
             assert output is not None
             return output
@@ -243,8 +266,18 @@ class Front(ABC):
     def stream(self, prompt: Prompt, params: SamplingParams | None = None
                ) -> AsyncIterator[StreamDelta]:
         """Text deltas of one request as they come; the last carries the output. A reader
-        that falls behind gets what came meanwhile in one delta."""
-        return self._deltas(self._open(prompt, params))
+        that falls behind gets what came meanwhile in one delta. With ``n`` > 1 each delta
+        names its choice (``index``); each choice's last delta has its finish reason, and
+        the last of all the whole output."""
+        request = self._open(prompt, params)
+        if request.params.choices > request.params.n:
+            raise InvalidRequestError(
+                f"best_of ({request.params.best_of}) above n ({request.params.n}) cannot be "
+                "streamed: the best choices are known only at the end", param="best_of")
+        return self._streamed(request)
+
+    def _streamed(self, request: _Request) -> AsyncIterator[StreamDelta]:
+        return self._choices(request) if request.params.choices > 1 else self._deltas(request)
 
     def _open(self, prompt: Prompt, params: SamplingParams | None) -> _Request:
         self.check_open()
@@ -296,6 +329,127 @@ class Front(ABC):
         finally:
             if not done:  # cancelled, or the consumer stopped listening
                 self.abort(request.uid)
+
+    async def _choices(self, request: _Request) -> AsyncIterator[StreamDelta]:
+        """The choices of an ``n`` > 1 request: choice 0 alone until its prompt is prefilled
+        (its first token), then the others, which find the prompt's pages in the prefix cache
+        (see docs/architecture.md, 'Choices sharing the prompt'). Choice i samples with
+        ``choice_seed(seed, i)``. Closing the iterator aborts every choice."""
+        params = request.params
+        count = params.choices
+        merged: Merged[StreamDelta] = Merged()
+        # Ranking best_of by cumulative logprob needs every sampled token's logprob.
+        ranks = count > params.n and params.logprobs is None
+        leader = params.replace(logprobs=0) if ranks else params
+
+        def start(index: int) -> None:
+            child = _Request(request.uid, request.prompt, request.ids, leader) if index == 0 \
+                else _Request(self.new_uid(), request.prompt, request.ids, leader.replace(
+                    n=1, best_of=None, prompt_logprobs=None,
+                    seed=choice_seed(params.seed, index)))
+            merged.add(self._deltas(child))
+
+        finals: list[RequestOutput | None] = [None] * count
+        try:
+            start(0)
+            while True:
+                index, item = await merged.next()
+                output = item.output
+                if len(merged) == 1:  # choice 0's first delta: its prompt is in the cache
+                    if (output is not None and not output.token_ids
+                            and output.finish_reason in ("error", "abort")):  # refused
+                        yield item
+                        return
+                    for i in range(1, count):
+                        start(i)
+                if output is None:
+                    yield evolve(item, index=index)
+                    continue
+                finals[index] = output
+                if output.finish_reason == "error":  # one choice failed: the request did
+                    yield evolve(item, index=index, output=evolve(
+                        output, request_id=request.uid, outputs=[_choice(0, output)]))
+                    return
+                done = all(f is not None for f in finals)
+                whole = _combine(request, [f for f in finals if f is not None]) if done else None
+                yield evolve(item, index=index, output=whole)
+                if done:
+                    return
+        finally:
+            await merged.close()
+
+
+T = TypeVar("T")
+
+
+class Merged(Generic[T]):
+    """The items of several async iterators as they come, each with its iterator's place
+    (in the order added); :meth:`close` closes them all (a request's stream: aborted)."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[tuple[int, T | Exception]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def add(self, iterator: AsyncIterator[T]) -> None:
+        self._tasks.append(asyncio.ensure_future(self._pump(len(self._tasks), iterator)))
+
+    async def _pump(self, index: int, iterator: AsyncIterator[T]) -> None:
+        try:
+            async for item in iterator:
+                self._queue.put_nowait((index, item))
+        except Exception as exc:
+            self._queue.put_nowait((index, exc))
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def next(self) -> tuple[int, T]:
+        """The next item and its iterator's place; an iterator's exception is raised."""
+        index, item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return index, item
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _cumulative(logprobs: list[TokenLogprob] | None) -> float | None:
+    return None if logprobs is None else sum(t.logprob for t in logprobs)
+
+
+def _choice(index: int, output: RequestOutput, keep_logprobs: bool = True
+            ) -> CompletionOutput:
+    first = output.outputs[0]
+    return CompletionOutput(index, output.text, output.token_ids, output.finish_reason,
+                            first.logprobs if keep_logprobs else None,
+                            first.cumulative_logprob)
+
+
+def _combine(request: _Request, finals: list[RequestOutput]) -> RequestOutput:
+    """One output of a request's choices: the ``n`` returned (of ``best_of``: those with
+    the highest cumulative logprob), choice 0's fields on top, timed from choice 0's
+    arrival to the last finish."""
+    n, asked = request.params.n, request.params.logprobs is not None
+    ranked = finals
+    if len(finals) > n:  # best_of: the most likely n, most likely first (a stable sort)
+        ranked = sorted(finals, key=lambda o: -(o.outputs[0].cumulative_logprob or 0.0))[:n]
+    leader, top = finals[0], ranked[0]
+    times = [o.metrics for o in finals if o.metrics is not None]
+    metrics = leader.metrics
+    if metrics is not None:
+        metrics = RequestMetrics(metrics.arrival_time, metrics.first_token_time,
+                                 max(m.finish_time for m in times))
+    return evolve(top, request_id=request.uid, cached_tokens=leader.cached_tokens,
+                  metrics=metrics, logprobs=top.logprobs if asked else None,
+                  prompt_logprobs=leader.prompt_logprobs,
+                  outputs=[_choice(j, o, asked) for j, o in enumerate(ranked)])
 
 
 def _text_ids(tokens: list[int], last: Event | None, params: SamplingParams) -> list[int]:

@@ -75,12 +75,6 @@ OPTIONAL_BOUNDS: Mapping[str, Bound] = MappingProxyType({
     "best_of": Bound(1, MAX_N, integer=True),
 })
 LOGIT_BIAS_BOUND = Bound(-100.0, 100.0, integer=False)
-# Fields the engine does not compute yet, with the value that asks for nothing: any other
-# value is refused, naming the field, rather than ignored.
-NOT_YET: Mapping[str, object] = MappingProxyType({
-    "n": 1, "best_of": None})
-
-
 def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
     """``{token id: bias}`` or (id, bias) pairs as sorted pairs (hashable, one per id)."""
     if value is None:
@@ -189,8 +183,6 @@ class SamplingParams:
                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                f"must be at most {MAX_STOP_TOKEN_IDS} token ids, got "
                f"{self.stop_token_ids!r:.80}")
-        for name, off in NOT_YET.items():
-            _check(getattr(self, name) == off, name, "is not implemented by this engine yet")
         _check(self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check(isinstance(self.tenant, str) and len(self.tenant) <= MAX_TENANT_CHARS
@@ -242,6 +234,18 @@ class SamplingParams:
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with some fields changed (validated again)."""
         return evolve(self, **changes)
+
+
+_SEED_STEP = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: choices' seeds far apart
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded ``seed`` (choice 0 keeps it): each
+    choice its own stream, so a seeded ``n`` > 1 request is reproducible and its choices
+    differ. None stays None (unseeded choices draw from the sampler's own keys)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * _SEED_STEP) & (2**64 - 1)
 
 
 def _is_int(v: object) -> bool:

@@ -60,6 +60,11 @@ class PrefixCache(Protocol[H]):
         """Offer the full pages of a finished sequence's ``tokens``; return those not kept."""
         ...
 
+    def adopt(self, tokens: Sequence[int], pages: Sequence[int]) -> H | None:
+        """Take the full pages of a running sequence's computed ``tokens`` now, before it
+        finishes; the handle to lock for its owner, or None where nothing was adopted."""
+        ...
+
     def evict(self, num_pages: int) -> list[int]:
         """Give back at least ``num_pages`` unlocked pages (fewer if fewer are evictable)."""
         ...
@@ -91,6 +96,9 @@ class NaiveCache:
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
         return list(pages)
+
+    def adopt(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
+        return None
 
     def evict(self, num_pages: int) -> list[int]:
         return []

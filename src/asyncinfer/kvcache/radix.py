@@ -94,6 +94,26 @@ class RadixCache:
             self._version += 1
         return to_free + list(pages[num_chunks:])
 
+    def adopt(self, tokens: Sequence[int], pages: Sequence[int]) -> Node | None:
+        """Cache the full pages of a running sequence's ``tokens`` (computed KV) and return
+        the node to lock for it; None, adopting nothing, where the cache holds another copy
+        of a chunk past the ones ``pages`` shares with it (the owner keeps its pages)."""
+        num_chunks = len(tokens) // self.page_size
+        assert len(pages) >= num_chunks, f"{len(tokens)} tokens need {num_chunks} pages"
+        chunks = self._chunks(tokens, num_chunks)
+        node, cached = self._walk(chunks)
+        if any(mine != kept for mine, kept in zip(pages, cached)):
+            return None
+        have = len(cached)
+        if have == num_chunks:
+            return node
+        leaf = self._new_node(chunks[have:], list(pages[have:num_chunks]), node)
+        node.children[leaf.chunks[0]] = leaf
+        self._cached += len(leaf.pages)
+        self._evictable += len(leaf.pages)
+        self._version += 1
+        return leaf
+
     def lock(self, node: Node) -> None:
         """Keep ``node`` and its ancestors from being evicted until :meth:`unlock`."""
         walker: Node | None = node

@@ -31,10 +31,12 @@ class LayerSpec:
 
 class Attention(nn.Module):
     """Self-attention of one layer; the KV cache lives in the backend, not here.
-    ``sliding_window``: this layer's window (None: full attention), handed to the backend."""
+    ``sliding_window``: this layer's window (None: full attention), handed to the backend;
+    ``norm``: the q/k norms' kind (with ``spec.qk_norm``)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, spec: LayerSpec,
-                 tp: TensorParallel, sliding_window: int | None = None) -> None:
+                 tp: TensorParallel, sliding_window: int | None = None,
+                 norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.layer, self.tp, self.sliding_window = layer, tp, sliding_window
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -43,8 +45,8 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
                                      bias=spec.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm = norm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = norm(self.head_dim, cfg.rms_norm_eps) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, rotary: RotaryTables, attn: AttentionContext,
                 ops: LayerOps) -> torch.Tensor:
@@ -72,16 +74,20 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP with residuals. Invariant: a layer takes and returns
-    (output, stream before the add), so each add fuses with the next norm."""
+    (output, stream before the add), so each add fuses with the next norm. A family whose
+    layer differs sets ``norm_class`` (every norm's kind) and overrides ``feed_forward`` (what
+    follows attention)."""
+
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
 
     def __init__(self, cfg: ModelConfig, layer: int, spec: LayerSpec,
                  tp: TensorParallel, mlp: nn.Module | None = None,
                  sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer, spec, tp, sliding_window)
+        self.self_attn = Attention(cfg, layer, spec, tp, sliding_window, self.norm_class)
         self.mlp = mlp if mlp is not None else GatedMLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryTables,
                 attn: AttentionContext, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +96,12 @@ class DecoderLayer(nn.Module):
             h, residual = ops.norm(x, norm.weight, norm.eps), x
         else:
             h, residual = ops.add_norm(x, residual, norm.weight, norm.eps)
-        h = self.self_attn(h, rotary, attn, ops)
+        return self.feed_forward(self.self_attn(h, rotary, attn, ops), residual, ops)
+
+    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor,
+                     ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output ``h`` added to the stream, normed, through the MLP:
+        (MLP output, stream before its add)."""
         norm = self.post_attention_layernorm
         h, residual = ops.add_norm(h, residual, norm.weight, norm.eps)
         return self.mlp(h, ops), residual
@@ -118,6 +129,7 @@ _STACKED = {
 class DecoderModel(nn.Module):
     """A ``CausalLM`` of DecoderLayers; ``cfg`` is this rank's shape under ``tp``."""
 
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
     implements_experts: ClassVar[bool] = False  # a mixture-of-experts family (models.moe)
     implements_sliding_window: ClassVar[bool] = False
     """Whether the family attends through config.json's ``sliding_window`` (else refused)."""
@@ -174,9 +186,9 @@ class DecoderModel(nn.Module):
         spec = self.layer_spec(cfg)
         self.windows = tuple(self.layer_window(cfg, i) for i in range(cfg.num_layers))
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, spec, self.tp, self.build_mlp(cfg, i), self.windows[i])
+            self.layer_class(cfg, i, spec, self.tp, self.build_mlp(cfg, i), self.windows[i])
             for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = self.layer_class.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head: Linear | TiedHead = (TiedHead(self.embed_tokens)
                                            if cfg.tie_word_embeddings
                                            else Linear(cfg.hidden_size, rows))

@@ -14,7 +14,7 @@ from asyncinfer.config import ModelConfig
 from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.layers.fused import LayerOps, OpNames
 from asyncinfer.layers.norm import OffsetRMSNorm
-from asyncinfer.layers.rotary import ROPE_TYPES, RotaryEmbedding, RotaryTables, layer_rope_types
+from asyncinfer.layers.rotary import ROPE_TYPES, RotaryEmbedding, layer_rope_types
 from asyncinfer.models.blocks import DecoderLayer, DecoderModel, LayerSpec
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -25,25 +25,17 @@ class Gemma3DecoderLayer(DecoderLayer):
     Invariant (as DecoderLayer): returns (post-feedforward-normed MLP output, stream before
     its add)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, spec: LayerSpec,
-                 tp: TensorParallel, sliding_window: int | None = None) -> None:
-        super().__init__(cfg, layer, spec, tp, sliding_window=sliding_window)
-        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = OffsetRMSNorm(hidden, eps)
-        self.post_attention_layernorm = OffsetRMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
-        self.post_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
-        self.self_attn.q_norm = OffsetRMSNorm(cfg.head_dim, eps)
-        self.self_attn.k_norm = OffsetRMSNorm(cfg.head_dim, eps)
+    norm_class = OffsetRMSNorm
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryTables,
-                attn: AttentionContext, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
-        norm = self.input_layernorm
-        if residual is None:  # the first layer: the embeddings are the stream
-            h, residual = ops.norm(x, norm.weight, norm.eps), x
-        else:
-            h, residual = ops.add_norm(x, residual, norm.weight, norm.eps)
-        h = self.self_attn(h, rotary, attn, ops)
+    def __init__(self, cfg: ModelConfig, layer: int, spec: LayerSpec,
+                 tp: TensorParallel, mlp: torch.nn.Module | None = None,
+                 sliding_window: int | None = None) -> None:
+        super().__init__(cfg, layer, spec, tp, mlp, sliding_window)
+        self.pre_feedforward_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor,
+                     ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
         norm = self.post_attention_layernorm
         h = ops.norm(h, norm.weight, norm.eps)
         norm = self.pre_feedforward_layernorm
@@ -56,6 +48,7 @@ class Gemma3DecoderLayer(DecoderLayer):
 class Gemma3ForCausalLM(DecoderModel):
     """Gemma 3's text decoder; ``layer_types`` says which layers slide (``windows``)."""
 
+    layer_class = Gemma3DecoderLayer
     implements_sliding_window: ClassVar[bool] = True
 
     @classmethod
@@ -85,11 +78,6 @@ class Gemma3ForCausalLM(DecoderModel):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
                  tp: TensorParallel | None = None) -> None:
         super().__init__(cfg, rotary, tp)
-        spec = self.layer_spec(cfg)
-        self.layers = torch.nn.ModuleList(
-            Gemma3DecoderLayer(cfg, i, spec, self.tp, self.windows[i])
-            for i in range(cfg.num_layers))
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layer_types = _layer_types(cfg)
         self.op_names = OpNames(activation=cfg.hidden_act, norm="offset_rms")
         self.ops = LayerOps(self.op_names)

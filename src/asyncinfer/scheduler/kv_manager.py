@@ -128,6 +128,23 @@ class KVManager:
         self._write(req, len(req.pages), new)
         req.pages.extend(new)
 
+    def share(self, req: Req) -> None:
+        """Hand ``req``'s full prompt pages (their KV computed) to the prefix cache while it
+        runs, pinned for it, so requests admitted from now on find them: the other choices
+        of an ``n`` > 1 request prefill only the prompt's last, partial page. See
+        docs/architecture.md, 'Choices sharing the prompt'."""
+        full = req.prompt_len // self.page_size
+        if full <= req.shared_pages or req.cached_len < full * self.page_size:
+            return
+        handle = self.prefix.adopt(req.prompt_ids[: full * self.page_size], req.pages[:full])
+        if handle is None:
+            return
+        self.prefix.lock(handle)
+        if req.prefix_handle is not None:
+            self.prefix.unlock(req.prefix_handle)
+        req.prefix_handle, req.shared_pages = handle, full
+        self.epoch += 1
+
     def release(self, req: Req, keep: bool) -> None:
         """Return a request's pages and unpin its prefix; ``keep`` (a normal finish) offers
         its computed full pages to the prefix cache, else (KV maybe corrupt) they are freed."""

@@ -366,6 +366,8 @@ class Scheduler:
                           prompt_logprobs=scores_out(req))
             if reason is None:
                 self._events.append(event)
+                if req.params.choices > 1 and len(req.output_ids) == 1:
+                    self.kv.share(req)  # its other choices come next: they find the prompt
             else:
                 self._finish(req, event)
 

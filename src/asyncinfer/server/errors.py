@@ -4,7 +4,7 @@ HTTP error response, ``{"error": {"message", "type", "param", "code"}}`` as Open
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -107,3 +107,29 @@ async def error_middleware(request: web.Request,
         return error_response(exc, request)
     except Exception as exc:
         return error_response(exc, request)
+
+
+def from_validation(exc: Any) -> APIError:
+    """A pydantic ``ValidationError`` as a 400 naming the first field at fault."""
+    error = exc.errors(include_url=False)[0]
+    param = _param(error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown field"
+    elif error["type"] == "missing":
+        message = "is required"
+    got = "" if error["type"] in ("missing", "value_error") else f", got {_short(error)}"
+    return bad_request(f"{param or 'body'}: {message}{got}", param)
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """``('messages', 0, 'content')`` as ``messages[0].content``."""
+    param = ""
+    for part in loc:
+        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else part)
+    return param or None
+
+
+def _short(error: Mapping[str, Any]) -> str:
+    text = repr(error.get("input"))
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -100,7 +100,7 @@ class ServerMetrics:
     def observe(self, output: RequestOutput) -> None:
         """Token counts and latencies of a request the engine finished."""
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generation_tokens.inc(len(output.token_ids))
+        self.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
         m = output.metrics
         if m is None:
             return

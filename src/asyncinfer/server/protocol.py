@@ -20,9 +20,9 @@ from pydantic import (
     model_validator,
 )
 
-from asyncinfer.params import BOUNDS, MAX_LOGPROBS, MAX_TENANT_CHARS, MIN_TEMPERATURE
+from asyncinfer.params import BOUNDS, MAX_LOGPROBS, MAX_N, MAX_TENANT_CHARS, MIN_TEMPERATURE
 from asyncinfer.server.chat_template import ChatTemplateFields
-from asyncinfer.server.errors import APIError, bad_request
+from asyncinfer.server.errors import APIError, bad_request, from_validation
 from asyncinfer.server.token_fields import (
     LogitBias,
     StopTokenIds,
@@ -96,8 +96,14 @@ _EchoMaxTokens = Annotated[Annotated[int, Field(ge=0), _Integral] | None, WithJs
     "description": "at least 1; 0 only with echo (scoring the prompt)"})]
 _TopLogprobs = Annotated[Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _Integral] | None,
                          Field(description=f"alternatives per token, 0 to {MAX_LOGPROBS}")]
-_One = Annotated[Annotated[int, Field(ge=1, le=1), _Integral] | None,
-                 Field(description="only 1 is supported")]
+_N = Annotated[Annotated[int, _bounded("n"), _Integral] | None,
+               Field(description=f"choices returned, at most {MAX_N}")]
+_BestOf = Annotated[Annotated[int, Field(ge=1, le=MAX_N), _Integral] | None,
+                    Field(description="choices sampled (at least n); the n most likely "
+                                      "are returned")]
+# Choices of one /v1/completions request, over all its prompts (prompts x best_of or n):
+# what one body may put into the engine at once.
+MAX_CHOICES = 128
 _Stop = Annotated[Any, WithJsonSchema({
     "anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
               {"type": "array", "maxItems": MAX_STOP_STRINGS,
@@ -203,10 +209,10 @@ class _OpenAISampling(_Sampling):
     model: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: _One = None
+    n: _N = None
+    best_of: _BestOf = None
     user: _Tenant = None
     # Not implemented: refused unless unset or at their default (see _refuse_unsupported).
-    best_of: int | None = None
     suffix: str | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -219,13 +225,29 @@ class _OpenAISampling(_Sampling):
                 allowed = " or ".join(json.dumps(v) for v in unset if v is not None)
                 raise APIError(400, f"{name} is not supported by this server: leave it unset "
                                     f"or {allowed}", param=name)
+        n = self.n or 1
+        if self.best_of is not None and self.best_of < n:
+            raise bad_request(f"best_of must be at least n ({n}), got {self.best_of}",
+                              "best_of")
+        if self.best_of is not None and self.best_of > n and self.stream:
+            raise bad_request(f"best_of above n ({n}) cannot be streamed: the best choices "
+                              "are known only at the end", "best_of")
         return self
+
+    @property
+    def choices(self) -> int:
+        """Sequences sampled per prompt (``best_of``, else ``n``)."""
+        return self.best_of or self.n or 1
 
     def sampling_options(self) -> dict[str, Any]:
         """The SamplingParams keyword options the body sets, ``user`` as the tenant."""
         options = super().sampling_options()
         if self.user is not None:
             options["tenant"] = self.user
+        if self.n is not None:
+            options["n"] = self.n
+        if self.best_of is not None:
+            options["best_of"] = self.best_of
         return options
 
     @property
@@ -239,26 +261,29 @@ class _OpenAISampling(_Sampling):
 # default is "none", and "auto" leaves the choice to the model among no tools, which is plain
 # generation too; "required", a named function or any other value asks for a tool call.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+    "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
 }
 
 _PromptSchema = WithJsonSchema({"anyOf": [
     {"type": "string", "minLength": 1},
     {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-    {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
-    {"type": "array", "minItems": 1, "maxItems": 1,
+    {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
+     "items": {"type": "string", "minLength": 1}},
+    {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES,
      "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
 ]})
 
 
 class CompletionRequest(_OpenAISampling):
-    """``POST /v1/completions``: one prompt (text or token ids); ``max_tokens`` defaults to 16.
+    """``POST /v1/completions``: a prompt (text or token ids) or a list of them; ``max_tokens``
+    defaults to 16. A list of several is ``prompts``; ``prompt`` is then the list.
     ``logprobs: k``: each token's logprob and its k most probable alternatives; ``echo``: the
     prompt first, with its tokens' logprobs when ``logprobs`` is set."""
 
     prompt: Annotated[Any, _PromptSchema] = Field(
-        description="a string or token ids; a list holding one of them is accepted too")
+        description=f"a string or token ids, or a list of them (prompts x best_of or n at "
+                    f"most {MAX_CHOICES})")
     max_tokens: _EchoMaxTokens = None
     echo: bool | None = None
     logprobs: _TopLogprobs = None
@@ -275,6 +300,10 @@ class CompletionRequest(_OpenAISampling):
             raise APIError(400, "max_tokens: 0 asks for no output, which only echo (scoring "
                                 "the prompt) allows; set echo: true or max_tokens of at "
                                 "least 1", param="max_tokens")
+        if self.echo and self.logprobs is not None and (
+                len(self.prompts) > 1 or self.choices > 1):
+            raise APIError(400, "echo with logprobs scores one prompt: it takes neither a list "
+                                "of prompts nor n or best_of above 1", param="echo")
         if self.top_logprobs is not None:
             raise APIError(400, "top_logprobs is a chat field; completions take logprobs: k "
                                 f"(0 to {MAX_LOGPROBS} alternatives per token)",
@@ -283,13 +312,30 @@ class CompletionRequest(_OpenAISampling):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Any, info: ValidationInfo) -> str | list[int]:
+    def _one_prompt(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
             value = value[0]
-        elif isinstance(value, list) and value and not _is_int(_integral(value[0])):
-            raise bad_request(f"prompt must be one string or one list of token ids; batches "
-                              f"are not supported (got a list of {len(value)})", "prompt")
+        elif isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) > MAX_CHOICES:
+                raise bad_request(f"prompt may list at most {MAX_CHOICES} prompts, got "
+                                  f"{len(value)}", "prompt")
+            return [check_prompt(p, _limits(info), f"prompt[{i}]") for i, p in enumerate(value)]
         return check_prompt(value, _limits(info), "prompt")
+
+    @model_validator(mode="after")
+    def _choices_capped(self) -> CompletionRequest:
+        if len(self.prompts) * self.choices > MAX_CHOICES:
+            raise bad_request(f"prompt lists {len(self.prompts)} prompts of {self.choices} "
+                              f"choices each; at most {MAX_CHOICES} choices in all", "prompt")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the body: one, or the list given."""
+        value = self.prompt
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            return list(value)
+        return [value]
 
 
 class TextPart(_Strict):
@@ -475,10 +521,6 @@ def too_long_by_characters(chars: int, limits: Limits, param: str) -> APIError:
                        f"{limits.context_len} tokens", param, "context_length_exceeded")
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def validate(model: type[_Strict], body: Any, limits: Limits) -> Any:
     """``body`` (parsed JSON) as ``model``; a 400 naming the first field at fault otherwise."""
     if not isinstance(body, Mapping):
@@ -486,35 +528,9 @@ def validate(model: type[_Strict], body: Any, limits: Limits) -> Any:
     try:
         return model.model_validate(body, context={"limits": limits})
     except ValidationError as exc:
-        raise _as_api_error(exc) from None
+        raise from_validation(exc) from None
 
 
-def _as_api_error(exc: ValidationError) -> APIError:
-    error = exc.errors(include_url=False)[0]
-    param = _param(error["loc"])
-    message = error["msg"].removeprefix("Value error, ")
-    if error["type"] == "extra_forbidden":
-        message = "unknown field"
-    elif error["type"] == "missing":
-        message = "is required"
-    got = "" if error["type"] in ("missing", "value_error") else f", got {_short(error)}"
-    return bad_request(f"{param or 'body'}: {message}{got}", param)
-
-
-def _param(loc: tuple[int | str, ...]) -> str | None:
-    """``('messages', 0, 'content')`` as ``messages[0].content``."""
-    param = ""
-    for part in loc:
-        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else part)
-    return param or None
-
-
-def _short(error: Mapping[str, Any]) -> str:
-    text = repr(error.get("input"))
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def max_prompt_chars(context_len: int, max_token_chars: int) -> int:
-    """The most characters a text of ``context_len`` tokens can have."""
-    return context_len * max(1, max_token_chars)
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 

@@ -20,12 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from attrs import frozen
+from attrs import evolve, frozen
 
 import asyncinfer.server.protocol as protocol
 import asyncinfer.server.reasoning as reasoning
 import asyncinfer.server.translate as translate
 from asyncinfer.errors import ConfigError, EngineError
+from asyncinfer.outputs import Merged
 from asyncinfer.server.backend import GenerateBackend
 from asyncinfer.server.body import decoded
 from asyncinfer.server.errors import CLIENT_CLOSED, APIError, bad_request, error_payload
@@ -109,7 +110,7 @@ class Routes:
         context = backend.context_len
         self.limits = protocol.Limits(
             vocab_size=tokenizer.vocab_size, context_len=context,
-            max_prompt_chars=protocol.max_prompt_chars(context, tokenizer.max_token_chars),
+            max_prompt_chars=max_prompt_chars(context, tokenizer.max_token_chars),
             max_tokens_limit=min(options.max_tokens_limit or context, context),
             default_max_tokens=options.default_max_tokens)
 
@@ -186,24 +187,66 @@ class Routes:
     async def _openai(self, call: Call, parsed: translate.ParsedRequest,
                       fmt: translate.Formatter) -> web.StreamResponse:
         if not parsed.stream:
-            return web.json_response(fmt.response(await self._run(call, parsed)))
+            return web.json_response(fmt.response(await self._run_all(call, parsed)))
+        started: set[int] = set()  # the choices whose first chunk (a chat's role) went out
 
         splits: dict[int, reasoning.ReasoningStream] = {}  # by choice
 
         def chunks(delta: StreamDelta, first: bool) -> list[Any]:
+            first = delta.index not in started
             text, thought = delta.text, ""
             if fmt.reasoning is not None:
-                index = getattr(delta, "index", 0)
-                split = splits.get(index)
+                split = splits.get(delta.index)
                 if split is None:
-                    split = splits[index] = fmt.reasoning.stream()
+                    split = splits[delta.index] = fmt.reasoning.stream()
                 thought, text = split.push(delta.text)
                 if delta.finish_reason is not None:
                     more_thought, more_text = split.finish()
                     thought, text = thought + more_thought, text + more_text
+            started.add(delta.index)  # a choice's first delta always makes a chunk
             return fmt.chunks(delta, first, parsed.include_usage, text, thought)
 
         return await self._relay(call, parsed, SSE, chunks)
+
+    async def _run_all(self, call: Call, parsed: translate.ParsedRequest) -> RequestOutput:
+        """Every prompt of the request at once, as one output (the first failure raised)."""
+        if not parsed.batch:
+            return await self._run(call, parsed)
+        runs = [asyncio.ensure_future(self._run(call, evolve(parsed, prompt_ids=ids)))
+                for ids in parsed.batch]
+        try:
+            outputs = await asyncio.gather(*runs)
+        finally:
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+        return translate.merge(list(outputs), parsed.params.n)
+
+    def _stream_all(self, parsed: translate.ParsedRequest) -> AsyncIterator[StreamDelta]:
+        if not parsed.batch:
+            return self.backend.stream(parsed.prompt_ids, parsed.params)
+        return self._merged(parsed)
+
+    async def _merged(self, parsed: translate.ParsedRequest) -> AsyncIterator[StreamDelta]:
+        """The streams of a list of prompts as one: choice indexes prompt-major, the last
+        delta carrying the merged output (or the first failed prompt's)."""
+        n, merged = parsed.params.n, Merged["StreamDelta"]()
+        finals: dict[int, RequestOutput] = {}
+        try:
+            for ids in parsed.batch:
+                merged.add(self.backend.stream(ids, parsed.params))
+            while True:
+                i, delta = await merged.next()
+                output = delta.output
+                if output is not None and output.finish_reason != "error":
+                    finals[i] = output
+                    output = (translate.merge([finals[k] for k in sorted(finals)], n)
+                              if len(finals) == len(parsed.batch) else None)
+                yield evolve(delta, index=i * n + delta.index, output=output)
+                if delta.output is not None and output is not None:
+                    return
+        finally:
+            await merged.close()
 
     async def _run(self, call: Call, parsed: translate.ParsedRequest) -> RequestOutput:
         output = await self.backend.generate(parsed.prompt_ids, parsed.params)
@@ -235,7 +278,7 @@ class Routes:
 
     async def _relay(self, call: Call, parsed: translate.ParsedRequest, framing: _Framing,
                      render: Render) -> web.StreamResponse:
-        deltas = self.backend.stream(parsed.prompt_ids, parsed.params)
+        deltas = self._stream_all(parsed)
         response: web.StreamResponse | None = None
         try:
             async for delta in deltas:
@@ -361,3 +404,8 @@ async def _close(deltas: AsyncIterator[Any]) -> None:
     aclose = getattr(deltas, "aclose", None)
     if aclose is not None:
         await aclose()
+
+
+def max_prompt_chars(context_len: int, max_token_chars: int) -> int:
+    """The most characters a text of ``context_len`` tokens can have."""
+    return context_len * max(1, max_token_chars)

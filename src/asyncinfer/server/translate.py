@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from attrs import evolve, frozen
+from attrs import evolve, field, frozen
 
 import asyncinfer.server.protocol as protocol
 from asyncinfer.errors import InvalidRequestError
@@ -42,9 +42,15 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     thinking: bool = True  # False: a chat that asked for no reasoning (enable_thinking)
-    # What echo puts before the output: the prompt as sent (text, or token ids to decode);
-    # None without echo.
-    echo: str | list[int] | None = None
+    batch: tuple[list[int], ...] = ()   # every prompt, where the body listed several
+    # What echo puts before each prompt's choices: the prompts as sent (text, or token ids
+    # to decode), one per prompt; None without echo.
+    echo: tuple[str | list[int], ...] | None = None
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """The prompts to run: the batch, else the one."""
+        return list(self.batch) or [self.prompt_ids]
 
 
 def check_model(body: Mapping[str, Any], served: str) -> None:
@@ -62,7 +68,9 @@ async def completion(body: Mapping[str, Any], encoder: TextEncoder,
                      limits: protocol.Limits) -> ParsedRequest:
     """A ``/v1/completions`` body; ``max_tokens`` defaults to SamplingParams' (OpenAI's 16)."""
     req = protocol.validate(protocol.CompletionRequest, body, limits)
-    ids = await _prompt_ids(req.prompt, encoder, limits, "prompt")
+    prompts = req.prompts
+    batch = [await _prompt_ids(p, encoder, limits, f"prompt[{i}]" if len(prompts) > 1
+                               else "prompt") for i, p in enumerate(prompts)]
     options = req.sampling_options()
     if req.logprobs is not None:
         options["logprobs"] = req.logprobs
@@ -70,8 +78,9 @@ async def completion(body: Mapping[str, Any], encoder: TextEncoder,
         # The echoed prompt's logprobs; a pure echo (max_tokens 0) is a scoring request too.
         options["prompt_logprobs"] = req.logprobs or 0
     params = _params(options, req.max_tokens)
-    return ParsedRequest(ids, params, bool(req.stream), req.include_usage,
-                         echo=req.prompt if req.echo else None)
+    return ParsedRequest(batch[0], params, bool(req.stream), req.include_usage,
+                         batch=tuple(batch) if len(batch) > 1 else (),
+                         echo=tuple(prompts) if req.echo else None)
 
 
 async def chat(body: Mapping[str, Any], encoder: TextEncoder,
@@ -86,7 +95,7 @@ async def chat(body: Mapping[str, Any], encoder: TextEncoder,
         options["logprobs"] = req.top_logprobs or 0
     params = _params(options, limits.default_max_tokens if max_tokens is None else max_tokens)
     return ParsedRequest(ids, params, bool(req.stream), req.include_usage, req.thinking,
-                         echo=req.echoed() if req.echo else None)
+                         echo=(req.echoed(),) if req.echo else None)
 
 
 async def generate(body: Mapping[str, Any], encoder: TextEncoder,
@@ -139,8 +148,10 @@ def _params(options: Mapping[str, Any], max_tokens: int | None,
 
 def usage(output: RequestOutput) -> dict[str, Any]:
     """OpenAI's usage object of a finished request, with the prompt tokens the prefix cache
-    held (``prompt_tokens_details.cached_tokens``)."""
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+    held (``prompt_tokens_details.cached_tokens``): the prompt counted once, every choice's
+    tokens."""
+    prompt = len(output.prompt_token_ids)
+    completion = sum(len(choice.token_ids) for choice in output.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": output.cached_tokens}}
@@ -166,9 +177,9 @@ class Formatter:
     reasoning: ReasoningParser | None = None  # a chat's, with --reasoning-parser
     parsed: ParsedRequest | None = None
     tokenizer: Tokenizer | None = None
-    # The completions logprobs of the choice, whose text offsets run on over a stream.
-    legacy: LegacyLogprobs | None = None
-    echo_text: str = ""     # what echo puts first
+    echo_texts: tuple[str, ...] = ()    # what echo puts first, per prompt
+    # Each choice's completions logprobs, whose text offsets run on over a stream.
+    legacy: dict[int, LegacyLogprobs] = field(factory=dict)
 
     @classmethod
     def new(cls, chat: bool, model: str, reasoning: ReasoningParser | None = None,
@@ -176,65 +187,80 @@ class Formatter:
             ) -> Formatter:
         """A formatter with a fresh request id and the current time."""
         prefix = "chatcmpl" if chat else "cmpl"
-        top = parsed.params.logprobs if parsed is not None else None
-        legacy = (LegacyLogprobs(top, tokenizer) if top is not None and not chat
-                  and tokenizer is not None else None)
-        echo = parsed.echo if parsed is not None else None
-        if isinstance(echo, list):  # token ids: their text, special tokens spelled out
-            echo = tokenizer.decode(echo, skip_special_tokens=False) if tokenizer else ""
+        echoed = parsed.echo if parsed is not None else None
+        # Token ids are echoed as their text, special tokens spelled out.
+        texts = tuple(e if isinstance(e, str) else tokenizer.decode(e, skip_special_tokens=False)
+                      if tokenizer is not None else "" for e in echoed or ())
         return cls(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), reasoning,
-                   parsed, tokenizer, legacy, echo or "")
+                   parsed, tokenizer, texts)
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": kind, "created": self.created,
                 "model": self.model, "choices": choices}
 
+    def echo_text(self, index: int) -> str:
+        """What echo puts before choice ``index``: its prompt's ("" without echo)."""
+        if not self.echo_texts:
+            return ""
+        n = self.parsed.params.n if self.parsed is not None else 1
+        return self.echo_texts[min(index // n, len(self.echo_texts) - 1)]
+
     def response(self, output: RequestOutput) -> dict[str, Any]:
-        """The whole (non-streamed) response."""
-        text = self.echo_text + output.text
-        choice: dict[str, Any] = {
-            "index": 0, "logprobs": self._logprobs(output, with_prompt=True),
-            "finish_reason": output.finish_reason}
-        if self.chat:
-            choice["message"] = self.message(output.text)
-        else:
-            choice["text"] = text
+        """The whole (non-streamed) response: a choice per ``output.outputs``."""
+        choices = []
+        for one in output.outputs:
+            choice: dict[str, Any] = {
+                "index": one.index, "finish_reason": one.finish_reason,
+                "logprobs": self._logprobs(one.index, one.token_ids, one.logprobs,
+                                           output.prompt_logprobs, with_prompt=True)}
+            if self.chat:
+                choice["message"] = self.message(one.text, one.index)
+            else:
+                choice["text"] = self.echo_text(one.index) + one.text
+            choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(kind, [choice]), "usage": usage(output)}
+        return {**self._envelope(kind, choices), "usage": usage(output)}
 
     def chunks(self, delta: StreamDelta, first: bool, include_usage: bool,
                content: str | None = None, reasoning: str = "") -> list[Any]:
-        """The stream chunks of one delta: its text (after the echo, in the first) with its
-        tokens' logprobs, then the usage chunk after the last when ``include_usage``;
-        ``content`` and ``reasoning``: the delta's text split by a reasoning parser."""
+        """The stream chunks of one delta: its text (after the echo, in its choice's first)
+        with its tokens' logprobs, then the usage chunk after the last when
+        ``include_usage``; ``content`` and ``reasoning``: the delta's text split by a
+        reasoning parser. A choice's first delta always makes a chunk."""
+        index = delta.index
         text = delta.text if content is None else content
-        text = self.echo_text + text if first else text
-        logprobs = self._logprobs(delta, with_prompt=first)
+        text = self.echo_text(index) + text if first else text
+        logprobs = None
+        if self._asks_logprobs:
+            logprobs = self._logprobs(index, delta.token_ids, delta.logprobs,
+                                      delta.prompt_logprobs, with_prompt=first)
         out = []
         if first or text or reasoning or delta.finish_reason is not None or (
                 logprobs is not None and delta.token_ids):
             out.append(self.chunk(text, delta.finish_reason, first=first,
                                   include_usage=include_usage, reasoning=reasoning,
-                                  logprobs=logprobs))
+                                  index=index, logprobs=logprobs))
         if delta.output is not None and include_usage:
             out.append(self.usage_chunk(delta.output))
         return out
 
-    def message(self, text: str) -> dict[str, Any]:
+    def message(self, text: str, index: int = 0) -> dict[str, Any]:
         """A chat's whole message, after the echo; with a reasoning parser, the reasoning
         apart."""
+        echo = self.echo_text(index)
         if self.reasoning is None:
-            return {"role": "assistant", "content": self.echo_text + text, "refusal": None}
+            return {"role": "assistant", "content": echo + text, "refusal": None}
         split = self.reasoning.split(text)
-        return {"role": "assistant", "content": self.echo_text + split.content,
+        return {"role": "assistant", "content": echo + split.content,
                 "reasoning_content": split.reasoning, "refusal": None}
 
     def chunk(self, text: str, finish_reason: str | None, *, first: bool = False,
-              include_usage: bool = False, reasoning: str = "",
+              include_usage: bool = False, reasoning: str = "", index: int = 0,
               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One stream chunk; a chat's first chunk also carries the assistant role;
-        ``reasoning``: the delta's reasoning text (``text`` its content)."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
+        """One stream chunk of choice ``index``; a chat's first chunk of each choice also
+        carries the assistant role; ``reasoning``: the delta's reasoning text (``text`` its
+        content)."""
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
                                   "finish_reason": finish_reason}
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else (
@@ -257,27 +283,33 @@ class Formatter:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(kind, []), "usage": usage(output)}
 
-    def _logprobs(self, part: RequestOutput | StreamDelta, with_prompt: bool
+    @property
+    def _asks_logprobs(self) -> bool:
+        return (self.parsed is not None and self.tokenizer is not None
+                and self.parsed.params.logprobs is not None)
+
+    def _logprobs(self, index: int, token_ids: Sequence[int],
+                  entries: Sequence[TokenLogprob] | None,
+                  prompt: Sequence[TokenLogprob | None] | None, with_prompt: bool
                   ) -> dict[str, Any] | None:
-        """The choice's ``logprobs`` for the tokens of ``part`` (None if the request asks
-        for none); ``with_prompt``: the echoed prompt's tokens first (completions)."""
+        """Choice ``index``'s ``logprobs`` for ``token_ids`` (None if the request asks for
+        none); ``with_prompt``: the echoed prompt's tokens first (completions, one prompt)."""
         parsed, tokenizer = self.parsed, self.tokenizer
         if parsed is None or tokenizer is None or parsed.params.logprobs is None:
             return None
-        token_ids: Sequence[int] = part.token_ids
-        entries: Sequence[TokenLogprob] = part.logprobs or []
-        prompt = part.prompt_logprobs
+        top, entries = parsed.params.logprobs, entries or []
         if self.chat:
-            return {"content": chat_content(entries, parsed.params.logprobs, tokenizer)}
-        assert self.legacy is not None
+            return {"content": chat_content(entries, top, tokenizer)}
+        legacy = self.legacy.get(index)
+        if legacy is None:
+            legacy = self.legacy[index] = LegacyLogprobs(top, tokenizer)
         parts = []
         if with_prompt and parsed.echo is not None:
             ids = parsed.prompt_ids
-            parts.append(self.legacy.add(
-                ids, prompt if prompt is not None else [None] * len(ids),
-                self._unwritten(ids, parsed.echo)))
+            parts.append(legacy.add(ids, prompt if prompt is not None else [None] * len(ids),
+                                    self._unwritten(ids, parsed.echo[0])))
         skipped = tokenizer.special_ids if parsed.params.skip_special_tokens else ()
-        parts.append(self.legacy.add(token_ids, entries, skipped))
+        parts.append(legacy.add(token_ids, entries, skipped))
         return joined(*parts)
 
     def _unwritten(self, ids: Sequence[int], echo: str | list[int]) -> set[int]:
@@ -288,3 +320,13 @@ class Formatter:
             return set()
         special = self.tokenizer.special_ids
         return {t for t in set(ids) & special if self.tokenizer.piece(t)[0] not in echo}
+
+
+def merge(outputs: list[RequestOutput], n: int) -> RequestOutput:
+    """The outputs of a list of prompts as one: choices prompt-major (prompt i's choice j is
+    ``i * n + j``), prompt and cached tokens summed (one usage), timed as the first."""
+    prompt_ids = [t for o in outputs for t in o.prompt_token_ids]
+    choices = [evolve(c, index=i * n + c.index) for i, o in enumerate(outputs)
+               for c in o.outputs]
+    return evolve(outputs[0], prompt_token_ids=prompt_ids, outputs=choices,
+                  cached_tokens=sum(o.cached_tokens for o in outputs))
