@@ -10,7 +10,6 @@ from typing import Annotated, Any, Literal
 from attrs import frozen
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -20,9 +19,27 @@ from pydantic import (
     model_validator,
 )
 
-from asyncinfer.params import BOUNDS, MAX_LOGPROBS, MAX_N, MAX_TENANT_CHARS, MIN_TEMPERATURE
+from asyncinfer.params import MAX_LOGPROBS, MAX_TENANT_CHARS
 from asyncinfer.server.chat_template import ChatTemplateFields
 from asyncinfer.server.errors import APIError, bad_request, from_validation
+from asyncinfer.server.fields import (
+    MAX_CHOICES,
+    BestOf,
+    Choices,
+    EchoMaxTokens,
+    Integral,
+    MaxTokens,
+    MinP,
+    Seed,
+    Stop,
+    Temperature,
+    TopK,
+    TopLogprobs,
+    TopP,
+    bounded,
+    check_stop,
+    integral,
+)
 from asyncinfer.server.token_fields import (
     LogitBias,
     StopTokenIds,
@@ -30,8 +47,6 @@ from asyncinfer.server.token_fields import (
     check_stop_token_ids,
 )
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -59,71 +74,6 @@ def _limits(info: ValidationInfo) -> Limits:
     return limits
 
 
-def _integral(value: Any) -> Any:
-    """JSON's ``2.0`` is an integer to JSON Schema: take it as 2 (``2.5`` stays refused)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _bounded(name: str, *, upper: bool = True) -> Any:
-    """The constraints of ``params.BOUNDS[name]``; ``upper=False`` where a served limit is
-    tighter (top_k, max_tokens)."""
-    bound = BOUNDS[name]
-    limits: dict[str, Any] = {"gt" if bound.open_low else "ge": bound.low}
-    if upper:
-        limits["le"] = bound.high
-    if not bound.integer:
-        limits["allow_inf_nan"] = False
-    return Field(**limits)
-
-
-_Integral = BeforeValidator(_integral)
-_Temperature = Annotated[Annotated[float, _bounded("temperature")] | None,
-                         Field(description=f"0 is greedy; a temperature below "
-                                           f"{MIN_TEMPERATURE} is greedy too")]
-_TopP = Annotated[float, _bounded("top_p")] | None
-_TopK = Annotated[Annotated[int, _bounded("top_k", upper=False), _Integral] | None,
-                  Field(description="-1 or 0: off; else at most the vocabulary size")]
-_MinP = Annotated[float, _bounded("min_p")] | None
-_Seed = Annotated[Annotated[int, _bounded("seed"), _Integral] | None,
-                  Field(description="any integer of 64 bits")]
-_MaxTokens = Annotated[int, _bounded("max_tokens", upper=False), _Integral] | None
-# Completions' max_tokens may be 0 with echo: the prompt scored, nothing generated. The
-# schema says 1 and up, what every body may send; the description names the exception.
-_EchoMaxTokens = Annotated[Annotated[int, Field(ge=0), _Integral] | None, WithJsonSchema({
-    "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}],
-    "description": "at least 1; 0 only with echo (scoring the prompt)"})]
-_TopLogprobs = Annotated[Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _Integral] | None,
-                         Field(description=f"alternatives per token, 0 to {MAX_LOGPROBS}")]
-_N = Annotated[Annotated[int, _bounded("n"), _Integral] | None,
-               Field(description=f"choices returned, at most {MAX_N}")]
-_BestOf = Annotated[Annotated[int, Field(ge=1, le=MAX_N), _Integral] | None,
-                    Field(description="choices sampled (at least n); the n most likely "
-                                      "are returned")]
-# Choices of one /v1/completions request, over all its prompts (prompts x best_of or n):
-# what one body may put into the engine at once.
-MAX_CHOICES = 128
-_Stop = Annotated[Any, WithJsonSchema({
-    "anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
-              {"type": "array", "maxItems": MAX_STOP_STRINGS,
-               "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
-              {"type": "null"}]})]
-
-
-def _check_stop(value: Any) -> Any:
-    if value is None:
-        return None
-    stops = [value] if isinstance(value, str) else value
-    if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
-        raise ValueError("must be a string or a list of strings")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-    if not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
-        raise ValueError(f"every stop string must have 1 to {MAX_STOP_CHARS} characters")
-    return value
-
-
 def _check_top_k(value: int | None, info: ValidationInfo) -> int | None:
     vocab = _limits(info).vocab_size
     if value is not None and value > vocab:
@@ -149,7 +99,7 @@ _SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "
                      "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                      "stop_token_ids")
 # vLLM's extension: lower runs first where the engine's policy orders by it.
-_Priority = Annotated[Annotated[int, _bounded("priority"), _Integral] | None,
+_Priority = Annotated[Annotated[int, bounded("priority"), Integral] | None,
                       Field(description="lower runs first (with the priority policy)")]
 
 
@@ -161,20 +111,20 @@ _Tenant = Annotated[str | None, Field(max_length=MAX_TENANT_CHARS,
 class _Sampling(_Strict):
     """The sampling fields every generation route takes, with their ranges."""
 
-    temperature: _Temperature = None
-    top_p: _TopP = None
-    top_k: _TopK = None
-    min_p: _MinP = None
-    seed: _Seed = None
-    stop: _Stop = None
+    temperature: Temperature = None
+    top_p: TopP = None
+    top_k: TopK = None
+    min_p: MinP = None
+    seed: Seed = None
+    stop: Stop = None
     ignore_eos: bool | None = None
     priority: _Priority = None
     # OpenAI's penalties and bias, and vLLM's extensions.
-    presence_penalty: Annotated[float, _bounded("presence_penalty")] | None = None
-    frequency_penalty: Annotated[float, _bounded("frequency_penalty")] | None = None
-    repetition_penalty: Annotated[float, _bounded("repetition_penalty")] | None = None
+    presence_penalty: Annotated[float, bounded("presence_penalty")] | None = None
+    frequency_penalty: Annotated[float, bounded("frequency_penalty")] | None = None
+    repetition_penalty: Annotated[float, bounded("repetition_penalty")] | None = None
     logit_bias: LogitBias = None
-    min_tokens: Annotated[int, _bounded("min_tokens", upper=False), _Integral] | None = None
+    min_tokens: Annotated[int, bounded("min_tokens", upper=False), Integral] | None = None
     stop_token_ids: StopTokenIds = None
 
     @field_validator("logit_bias")
@@ -190,7 +140,7 @@ class _Sampling(_Strict):
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: Any) -> Any:
-        return _check_stop(value)
+        return check_stop(value)
 
     @field_validator("top_k")
     @classmethod
@@ -209,8 +159,8 @@ class _OpenAISampling(_Sampling):
     model: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: _N = None
-    best_of: _BestOf = None
+    n: Choices = None
+    best_of: BestOf = None
     user: _Tenant = None
     # Not implemented: refused unless unset or at their default (see _refuse_unsupported).
     suffix: str | None = None
@@ -284,9 +234,9 @@ class CompletionRequest(_OpenAISampling):
     prompt: Annotated[Any, _PromptSchema] = Field(
         description=f"a string or token ids, or a list of them (prompts x best_of or n at "
                     f"most {MAX_CHOICES})")
-    max_tokens: _EchoMaxTokens = None
+    max_tokens: EchoMaxTokens = None
     echo: bool | None = None
-    logprobs: _TopLogprobs = None
+    logprobs: TopLogprobs = None
     top_logprobs: Annotated[Any, WithJsonSchema({"type": "null"})] = None
 
     @field_validator("max_tokens")
@@ -378,10 +328,10 @@ class ChatCompletionRequest(_OpenAISampling, ChatTemplateFields):
     """``POST /v1/chat/completions``; without a length the server's default applies."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: _MaxTokens = None
-    max_completion_tokens: _MaxTokens = None
+    max_tokens: MaxTokens = None
+    max_completion_tokens: MaxTokens = None
     logprobs: bool | None = None
-    top_logprobs: _TopLogprobs = None
+    top_logprobs: TopLogprobs = None
     echo: bool | None = Field(default=None, description="the last message's content first, "
                                                           "if the assistant's (as vLLM's)")
 
@@ -422,10 +372,10 @@ class ChatCompletionRequest(_OpenAISampling, ChatTemplateFields):
             "max_tokens")
 
 
-_Logprobs = Annotated[Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _Integral] | None,
+_Logprobs = Annotated[Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Integral] | None,
                       Field(description=f"top alternatives per position, 0 to {MAX_LOGPROBS}")]
 # max_tokens 0 scores the prompt and samples nothing: only with prompt_logprobs.
-_ScoringMaxTokens = Annotated[int, Field(ge=0), _Integral] | None
+_ScoringMaxTokens = Annotated[int, Field(ge=0), Integral] | None
 
 
 class NativeSampling(_Sampling):
@@ -506,7 +456,7 @@ def check_prompt(value: Any, limits: Limits, param: str) -> str | list[int]:
                           f"{limits.context_len} tokens (prompt and at least one output token "
                           "must fit)", param, "context_length_exceeded")
     vocab = limits.vocab_size
-    value = [_integral(t) for t in value]
+    value = [integral(t) for t in value]
     bad = next((t for t in value if not (_is_int(t) and 0 <= t < vocab)), None)
     if bad is not None:
         raise bad_request(f"{param} has token id {bad!r} outside the vocabulary [0, {vocab})",
