@@ -70,6 +70,12 @@ def _served(schema: dict[str, Any], limits: Limits, model: str | None) -> dict[s
     for name in ("prompt", "input_ids"):
         if name in props:
             _bound_prompt(props[name], limits)
+    for option in props.get("stop_token_ids", {}).get("anyOf", []):
+        if option.get("type") == "array":
+            option["items"]["maximum"] = limits.vocab_size - 1
+    if "messages" in props and "top_logprobs" in props:  # chat: only with logprobs true
+        schema["dependencies"] = {"top_logprobs": {
+            "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
     for name, allowed in UNSUPPORTED.items():
         if name in props:
             props[name] = {"enum": list(allowed), "description": "not supported: unset or "
