@@ -7,14 +7,13 @@ gives what ``hf`` gives under the same chat template. See docs/evaluation.md."""
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.test_server_process import NAME, start_server
+from tests.test_server_process import NAME, served
 
 pytest.importorskip("lm_eval")
 
@@ -122,12 +121,8 @@ def tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(served_model: Path) -> Iterator[str]:
-    proc, url = start_server(served_model)
-    try:
+    with served(served_model) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import MAX_N, SamplingParams, choice_seed
 from tests.conftest import engine_under_test
 from tests.hf_reference import hf_greedy, load_hf
-from tests.test_server_process import NAME
+from tests.test_server_process import NAME, served
 
 PAGE = 4
 
@@ -254,14 +254,8 @@ PROMPT = "The three best things about the sea are"
 
 @pytest.fixture(scope="module")
 def server(served_model: Path) -> Iterator[str]:
-    from tests.test_server_process import start_server
-
-    proc, url = start_server(served_model)
-    try:
+    with served(served_model) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ streamed and whole, the echoed prompt's logprobs of a pure scoring request, and 
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import torch
 
 from asyncinfer.tokenizer import Tokenizer
 from tests.hf_reference import hf_greedy, load_hf
-from tests.test_server_process import NAME, start_server
+from tests.test_server_process import NAME, served
 
 openai = pytest.importorskip("openai")
 
@@ -26,12 +25,8 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def server(served_model: Path) -> Iterator[str]:
-    proc, url = start_server(served_model)
-    try:
+    with served(served_model) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from asyncinfer.params import SamplingParams
 from asyncinfer.tokenizer import Tokenizer
 from tests.hf_reference import hf_last_logits, load_hf
 from tests.test_llm import tiny_llm
-from tests.test_server_process import NAME, start_server
+from tests.test_server_process import NAME, served
 
 TINY_EOS = 1  # tiny_llama_dir's eos_token_id
 
@@ -248,14 +248,8 @@ REPEATS = "List the colors: red, blue, red, blue, red,"
 
 @pytest.fixture(scope="module")
 def server(served_model: Path) -> Iterator[str]:
-    import signal
-
-    proc, url = start_server(served_model)
-    try:
+    with served(served_model) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextlib.contextmanager
+def served(model: Path, *extra: str) -> Iterator[str]:
+    """The URL of an `asyncinfer serve` of ``model`` while the block runs; then Ctrl-C,
+    which must end it with status 0."""
+    import signal
+
+    proc, url = start_server(model, *extra)
+    try:
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+
+
 def start_server(model: Path, *extra: str, port: int | None = None,
                  env: dict[str, str] | None = None, own_session: bool = False,
                  timeout: float = 120) -> tuple[subprocess.Popen[str], str]:
