@@ -270,3 +270,40 @@ async def test_http_hang_ups_and_the_drain_reach_the_core(smollm2_dir: Path,
             await served.idle()
             stats = served.engine.stats()
             assert (stats.running, stats.waiting, stats.kv_pages_used) == (0, 0, 0)
+
+
+async def test_a_request_sent_as_start_returns_gets_its_answer(tiny_llama_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """The core drops what it sends a front whose socket has not joined yet; start() waits
+    for the core's answer to a Hello, so a request refused at once still gets its end."""
+    engine = tiny_engine(tiny_llama_dir)
+    addresses = msg.Addresses(str(tmp_path))
+    core = EngineCore(engine, addresses, 1)
+    task = asyncio.create_task(core.run())
+    info = msg.CoreInfo(os.getpid(), "m", str(tmp_path), engine.context_len,
+                        engine.runner.num_pages)
+    bad = SamplingParams(max_tokens=2, stop_token_ids=[10**6])
+    try:
+        for _ in range(8):   # a fresh connection each time
+            client = EngineClient(info, addresses, 0, 1)
+            await client.start()
+            out = await asyncio.wait_for(client.generate([5, 6], bad), 30.0)  # hang guard
+            assert (out.finish_reason, out.error_kind) == ("error", "invalid")
+            await client.close()
+    finally:
+        core.stop()
+        await task
+
+
+async def test_start_without_a_core_is_an_error_naming_it(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    from asyncinfer.errors import EngineError
+    from asyncinfer.ipc import client as client_module
+
+    monkeypatch.setattr(client_module, "HELLO_TIMEOUT", 0.3)
+    info = msg.CoreInfo(os.getpid(), "m", str(tmp_path), 128, 16)
+    client = EngineClient(info, msg.Addresses(str(tmp_path)), 0, 1)
+    with pytest.raises(EngineError, match="did not answer"):
+        await client.start()
+    await client.close()

@@ -15,6 +15,7 @@ import zmq
 import zmq.asyncio
 
 from asyncinfer.core import Event
+from asyncinfer.errors import EngineError
 from asyncinfer.ipc import messages as msg
 from asyncinfer.outputs import Channel, EngineStats, Front
 from asyncinfer.params import SamplingParams
@@ -22,6 +23,9 @@ from asyncinfer.processes import watch_exit
 from asyncinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+HELLO_INTERVAL = 0.05   # seconds between Hellos until the core's first answer
+HELLO_TIMEOUT = 120.0   # a core that stays silent this long is not serving
 
 
 class EngineClient(Front):
@@ -50,6 +54,7 @@ class EngineClient(Front):
         self._push: zmq.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._unwatch: Callable[[], None] | None = None
+        self._heard = asyncio.Event()   # the core's first Out has arrived
 
     async def start(self) -> None:
         """Connect to the core and start reading its messages."""
@@ -64,6 +69,20 @@ class EngineClient(Front):
         pull.connect(self._addresses.outbound(self.front))
         self._task = asyncio.create_task(self._read(pull), name="asyncinfer-front-in")
         self._unwatch = watch_exit(self.info.pid, self._core_exited)
+        await self._joined()
+
+    async def _joined(self) -> None:
+        """Until the core has answered a Hello: before its socket to this front is joined,
+        what it sends here is dropped, a request's end with it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HELLO_TIMEOUT
+        while not self._heard.is_set() and self._gone is None:
+            if loop.time() > deadline:
+                raise EngineError(f"the engine core (pid {self.info.pid}) did not answer "
+                                  f"within {HELLO_TIMEOUT:.0f} s")
+            self._send(msg.Hello(self.front))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._heard.wait(), HELLO_INTERVAL)
 
     async def close(self) -> None:
         """Stop reading; requests still open end with "abort"."""
@@ -148,7 +167,9 @@ class EngineClient(Front):
     async def _read(self, pull: zmq.asyncio.Socket) -> None:
         try:
             while True:
-                self._apply(msg.decode_out(await pull.recv()))
+                data = await pull.recv()
+                self._heard.set()
+                self._apply(msg.decode_out(data))
         finally:
             pull.close(linger=0)
 

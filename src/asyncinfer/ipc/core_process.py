@@ -157,6 +157,9 @@ class EngineCore:
             self._open[message.front].clear()
         elif isinstance(message, msg.Shutdown):
             self.stop()
+        elif isinstance(message, msg.Hello):
+            self._send(message.front, msg.Out([], [], [], self.engine.stats(),
+                                              self._received[message.front]))
 
     def _want_flush(self) -> None:
         if not self._flush_pending:

@@ -1,6 +1,6 @@
 """The messages between the fronts and the engine core (msgpack through msgspec), and
-where their sockets live. In: Add, Abort, AbortAll, Shutdown, on one socket every front
-pushes to. Out: one :class:`Out` per round per front with news, on a socket per front."""
+where their sockets live. In: Add, Abort, AbortAll, Shutdown, Hello, on one socket every
+front pushes to. Out: one :class:`Out` per round per front with news, on a socket per front."""
 
 from __future__ import annotations
 
@@ -40,7 +40,14 @@ class Shutdown(msgspec.Struct, array_like=True, tag=3):
     """End every request and stop the core."""
 
 
-Inbound = Add | Abort | AbortAll | Shutdown
+class Hello(msgspec.Struct, array_like=True, tag=4):
+    """Front ``front`` asks for an Out: its answer shows the core's socket to it is joined
+    (the core drops what it sends a front not yet connected)."""
+
+    front: int
+
+
+Inbound = Add | Abort | AbortAll | Shutdown | Hello
 
 
 class End(msgspec.Struct, array_like=True):
