@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -262,12 +263,28 @@ async def test_a_dead_loop_ends_every_request_and_says_so(tiny_llama_dir: Path) 
         real_add(uid, prompt_ids, params)
 
     engine.scheduler.add_request = add_request
+    # Batches wait at a gate, so the three requests are still running when the poisoned
+    # one arrives however fast the machine is.
+    gate = threading.Event()
+    real_launch = engine.runner.launch
+
+    def launch(batch: Batch) -> Callable[[], ForwardOutput]:
+        wait = real_launch(batch)
+        return lambda: (gate.wait(TIMEOUT), wait())[1]
+
+    engine.runner.launch = launch  # type: ignore[method-assign]
     async with engine:
         assert engine.alive
         running = [asyncio.ensure_future(run_all(engine, [p], [greedy(100)], stream=[s]))
                    for p, s in zip(PROMPTS, [False, True, False])]
-        await asyncio.sleep(0.1)
-        bad = await asyncio.wait_for(engine.generate(POISONED, greedy(4)), TIMEOUT)
+        gate.set()
+        while engine.stats().running < 3:
+            await asyncio.sleep(0.01)
+        gate.clear()
+        poisoned = asyncio.ensure_future(engine.generate(POISONED, greedy(4)))
+        await asyncio.sleep(0.05)   # the Add is queued before any batch passes the gate
+        gate.set()
+        bad = await asyncio.wait_for(poisoned, TIMEOUT)
         outputs = [(await asyncio.wait_for(task, TIMEOUT))[0] for task in running]
         for out in [bad, *outputs]:
             assert (out.finish_reason, out.error_kind) == ("error", "engine")
