@@ -5,6 +5,7 @@ See docs/architecture.md, "Request bounds, validated once per process boundary".
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -26,6 +27,10 @@ MAX_LOGPROBS = 20                   # top alternatives per position, as OpenAI a
 MAX_N = 16                          # choices per request (``n``, ``best_of``)
 MAX_LOGIT_BIAS = 300                # entries of ``logit_bias``, as OpenAI allows
 MAX_STOP_TOKEN_IDS = 64
+MAX_GRAMMAR_CHARS = 64 * 1024       # a schema, regex, choice list or grammar, as text
+# What ``structured`` constrains the output to: a JSON schema, any JSON object, a regex, one
+# of a JSON list of strings, or an EBNF (GBNF) grammar.
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @frozen
@@ -92,6 +97,23 @@ def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+def _as_structured(value: Any) -> tuple[str, str] | None:
+    """``(kind, text)``, from itself, a list, or vLLM's one-key mapping (``{"json": schema}``,
+    ``{"choice": [...]}``; a schema or list given as an object becomes its JSON text)."""
+    if value is None:
+        return None
+    if isinstance(value, dict) and len(value) == 1:
+        [(kind, spec)] = value.items()
+        if kind == "json_object":
+            spec = ""
+        value = (kind, spec if isinstance(spec, str) else json.dumps(spec))
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return (value[0], value[1])
+    raise InvalidRequestError(f"structured must be (kind, text) with kind one of "
+                              f"{', '.join(STRUCTURED_KINDS)}, got {value!r:.80}",
+                              param="structured")
+
+
 def _as_ids(value: Any) -> tuple[int, ...]:
     return () if value is None else tuple(value)
 
@@ -131,7 +153,9 @@ class SamplingParams:
     default). ``n`` choices are returned (the best ``n`` of ``best_of`` when set), sharing the
     prompt's prefill. Penalties follow OpenAI (presence, frequency: over the output so far) and
     vLLM (``repetition_penalty``: over prompt and output); ``logit_bias`` adds to the logits;
-    ``min_tokens`` holds EOS and ``stop_token_ids`` back until that many tokens exist."""
+    ``min_tokens`` holds EOS and ``stop_token_ids`` back until that many tokens exist.
+    ``structured`` (kind, text) constrains the output (see ``STRUCTURED_KINDS``); EOS only
+    once it is complete; ``structured_field`` names it in errors (the client's field)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -154,6 +178,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default=(), converter=_as_bias)
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default=(), converter=_as_ids)
+    structured: tuple[str, str] | None = field(default=None, converter=_as_structured)
+    structured_field: str = "structured"
 
     def __attrs_post_init__(self) -> None:
         for name, bound in BOUNDS.items():
@@ -189,6 +215,14 @@ class SamplingParams:
                and _is_utf8(self.tenant), "tenant",
                f"must be a UTF-8 string of at most {MAX_TENANT_CHARS} characters, "
                f"got {self.tenant!r:.80}")
+        if self.structured is not None:
+            kind, text = self.structured
+            field_name = self.structured_field
+            _check(kind in STRUCTURED_KINDS and isinstance(text, str), field_name,
+                   f"must be one of {', '.join(STRUCTURED_KINDS)} with its text, got "
+                   f"{kind!r:.40}")
+            _check(len(text) <= MAX_GRAMMAR_CHARS, field_name,
+                   f"may be at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                f"must be a non-empty string or a list of them, got {self.stop!r}")
 

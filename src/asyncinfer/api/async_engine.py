@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import itertools
@@ -15,9 +16,11 @@ import attrs
 from asyncinfer.api.ranks import launch_ranks, needs_ranks, rank_options
 from asyncinfer.config import EngineConfig
 from asyncinfer.coordinator import Coordinator, RoundObserver
+from asyncinfer.core import Event
 from asyncinfer.distributed.launch import STOP_TIMEOUT, leave_group
 from asyncinfer.distributed.sync import RoundSync
 from asyncinfer.engine import create_runner
+from asyncinfer.errors import InvalidRequestError
 from asyncinfer.models.source import resolve_model
 from asyncinfer.outputs import Channel, EngineStats, Front
 from asyncinfer.params import SamplingParams
@@ -28,6 +31,8 @@ from asyncinfer.scheduler.scheduler import Scheduler
 from asyncinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT = 30.0  # seconds a grammar may take to compile before its request is refused
 
 _DEFAULT_POLICY = str(attrs.fields(EngineConfig).policy.default)
 
@@ -63,6 +68,9 @@ class AsyncEngine(Front):
                else _config_eos_ids(self.runner.model_config.hf_config))
         self.scheduler = Scheduler(self.runner, self.policy, self.config, eos)
         self.runner.sampler.eos_token_ids = eos  # min_tokens holds back what stops a request
+        self.runner.grammars.stop_ids = eos      # a grammar allows these once complete
+        self._grammar_thread: ThreadPoolExecutor | None = None
+        self._compiling: dict[int, tuple[asyncio.Task[None], Channel]] = {}
         self.overlap = self.config.overlap
         tp = self.runner.tp
         # A collective call: every rank builds its channel here, in the same order.
@@ -101,6 +109,11 @@ class AsyncEngine(Front):
         """Fail what is still running, wait for the batch in flight, stop the loop; unfreeze
         a heap ``freeze_gc`` froze (see docs/architecture.md, "Freezing the heap")."""
         failed = False
+        for uid in list(self._compiling):
+            self._end_compiling(uid, "abort")
+        if self._grammar_thread is not None:
+            self._grammar_thread.shutdown(wait=False, cancel_futures=True)
+            self._grammar_thread = None
         if self._compute is not None:  # never started
             self._compute.shutdown()
             self._compute = None
@@ -151,7 +164,45 @@ class AsyncEngine(Front):
         InvalidRequestError naming the field."""
         coordinator = self._started()
         self.check_params(params)
-        coordinator.add(uid, prompt_ids, params, channel)
+        spec = params.structured
+        if spec is None or self.runner.grammars.compiled(spec):
+            coordinator.add(uid, prompt_ids, params, channel)
+            return
+        # Its grammar compiles on a thread of its own; the request is queued after.
+        if self._grammar_thread is None:
+            self._grammar_thread = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="asyncinfer-grammar")
+        compiling = asyncio.get_running_loop().run_in_executor(
+            self._grammar_thread, self.runner.grammars.compile, spec, params.structured_field)
+        task = asyncio.ensure_future(self._queue_compiled(uid, prompt_ids, params, channel,
+                                                          compiling))
+        self._compiling[uid] = (task, channel)
+
+    async def _queue_compiled(self, uid: int, prompt_ids: list[int], params: SamplingParams,
+                              channel: Channel, compiling: asyncio.Future[Any]) -> None:
+        """Queue the request once its grammar compiled; refuse it if that failed or took
+        longer than COMPILE_TIMEOUT (the compile goes on, and its result is kept)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(compiling), COMPILE_TIMEOUT)
+        except InvalidRequestError as exc:
+            self._compiling.pop(uid, None)
+            channel.put_nowait(Event(uid, None, "error", str(exc), error_kind="invalid"))
+            return
+        except TimeoutError:
+            self._compiling.pop(uid, None)
+            channel.put_nowait(Event(
+                uid, None, "error", f"{params.structured_field} did not compile within "
+                f"{COMPILE_TIMEOUT:.0f} s", error_kind="invalid"))
+            return
+        self._compiling.pop(uid, None)
+        if self._coordinator is not None:
+            self._coordinator.add(uid, prompt_ids, params, channel)
+
+    def _end_compiling(self, uid: int, reason: str | None) -> None:
+        task, channel = self._compiling.pop(uid)
+        task.cancel()
+        if reason is not None:
+            channel.put_nowait(Event(uid, None, "abort"))
 
     def check_params(self, params: SamplingParams) -> None:
         """Refuse what this model cannot honour (InvalidRequestError naming the field)."""
@@ -164,11 +215,16 @@ class AsyncEngine(Front):
 
     def abort(self, uid: int) -> None:
         """Stop a submitted request and free what it holds; it gets no more events."""
+        if uid in self._compiling:
+            self._end_compiling(uid, None)
+            return
         if self._coordinator is not None:
             self._coordinator.abort(uid)
 
     def abort_all(self) -> None:
         """End every open request now with "abort"; their pages free at the next round."""
+        for uid in list(self._compiling):
+            self._end_compiling(uid, "abort")
         if self._coordinator is not None:
             self._coordinator.abort_all()
 

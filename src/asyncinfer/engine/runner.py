@@ -25,6 +25,7 @@ from asyncinfer.config import EngineConfig, ModelConfig
 from asyncinfer.core import Batch, ForwardOutput, TopLogprobs
 from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.engine.cuda_graph import CudaGraphs, Graph
+from asyncinfer.engine.grammar import Grammars
 from asyncinfer.engine.sampler import Sampler, device_tensor, raw_logprobs, top_logprobs
 from asyncinfer.errors import ConfigError
 from asyncinfer.kernels.cpu import NativeKernels
@@ -123,6 +124,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device,
                                argmax=None if kernels is None else kernels.argmax)
         self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
+        self.grammars = Grammars(model_dir, self.model_config.vocab_size)
         if config.compiles:
             logger.info("compiled with torch.compile in %.1f s",
                         time.perf_counter() - compile_start)
@@ -296,7 +298,13 @@ class ModelRunner:
                 index = device_tensor(wanted, torch.int64, self.device)
             raw = raw_logprobs(logits if index is None else logits[index])
         adjusted = self.sampler.adjust(logits, batch, self.token_pool)
+        constrained = self.grammars.constrained(batch)
+        if constrained:
+            adjusted = self.grammars.mask(adjusted, batch, constrained, self.token_pool,
+                                          raw=adjusted is logits)
         tokens = self.sampler.sample(adjusted, batch.params, batch.steps)
+        if constrained:
+            self.grammars.record(tokens, batch, constrained, self.stream)
         self.token_pool.view(-1)[upload(host.write_index, self.device)] = tokens
         logprobs = None
         if raw is not None:
