@@ -114,8 +114,9 @@ class Grammars:
         try:
             if kind == "json":
                 grammar = compiler.compile_json_schema(text, any_whitespace=False)
-            elif kind == "json_object":
-                grammar = compiler.compile_builtin_json_grammar()
+            elif kind == "json_object":  # OpenAI's: an object, not any JSON value
+                grammar = compiler.compile_json_schema('{"type": "object"}',
+                                                       any_whitespace=False)
             elif kind == "regex":
                 grammar = compiler.compile_regex(text)
             elif kind == "choice":

@@ -40,6 +40,7 @@ from asyncinfer.server.fields import (
     check_stop,
     integral,
 )
+from asyncinfer.server.structured import constraint
 from asyncinfer.server.token_fields import (
     LogitBias,
     StopTokenIds,
@@ -166,7 +167,13 @@ class _OpenAISampling(_Sampling):
     suffix: str | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    # What constrains the output (server/structured.py checks them, whatever their type).
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _OpenAISampling:
@@ -175,6 +182,7 @@ class _OpenAISampling(_Sampling):
                 allowed = " or ".join(json.dumps(v) for v in unset if v is not None)
                 raise APIError(400, f"{name} is not supported by this server: leave it unset "
                                     f"or {allowed}", param=name)
+        constraint(self)
         n = self.n or 1
         if self.best_of is not None and self.best_of < n:
             raise bad_request(f"best_of must be at least n ({n}), got {self.best_of}",
@@ -198,6 +206,8 @@ class _OpenAISampling(_Sampling):
             options["n"] = self.n
         if self.best_of is not None:
             options["best_of"] = self.best_of
+        if (constrained := constraint(self)) is not None:
+            options["structured"], options["structured_field"] = constrained
         return options
 
     @property
@@ -212,7 +222,7 @@ class _OpenAISampling(_Sampling):
 # generation too; "required", a named function or any other value asks for a tool call.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none", "auto"),
 }
 
 _PromptSchema = WithJsonSchema({"anyOf": [
