@@ -4,8 +4,9 @@ Each run is a fresh process importing one checkout's ``src`` and timing one ``LL
 over the workload; the pairs alternate their order (A B, B A, ...). The record keeps every
 run, both commits, the machine, and a digest of each run's output tokens, so a change that
 should leave results alone is shown to: every digest must be the same. ``--new-variant``
-(and ``--base-variant``) run a feature on one side: the cost of logprobs, or of n=4 against
-the same sequences as separate requests (one checkout may be both sides).
+(and ``--base-variant``) run a feature on one side: the cost of logprobs, of n=4 against
+the same sequences as separate requests, or of JSON schemas on half or all of the requests
+(one checkout may be both sides).
 
     python -m benchmarks.ab --base ../base --new . --pairs 3 --json ab.json
     python -m benchmarks.ab --base . --new . --new-variant logprobs5 --json cost.json
@@ -43,13 +44,18 @@ elif variant in ("n4", "repeat4"):  # a quarter of the prompts, four sequences e
     else:
         prompts = [p for p in prompts for _ in range(4)]
         max_tokens = [n for n in max_tokens for _ in range(4)]
+# json50, json100: every other request, or every one, under a JSON schema that stays open
+# (an array of integers), so each constrained row is masked at every step.
+schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99999}}
+constrained = {"json50": set(range(1, 64, 2)), "json100": set(range(64))}.get(variant, set())
 llm = LLM(model, skip_tokenizer_init=True, dtype=dtype, max_running_requests=64,
           max_seq_len=2048)
 try:
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate([p[:64] for p in prompts[:4]], warm, use_tqdm=False)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra)
-              for n in max_tokens]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra,
+                             **({"structured": {"json": schema}} if i in constrained else {}))
+              for i, n in enumerate(max_tokens)]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -62,13 +68,16 @@ else:
 tokens = sum(map(len, ids))
 print(json.dumps({"variant": variant, "tokens": tokens, "seconds": round(seconds, 3),
                   "tokens_per_s": round(tokens / seconds, 1),
+                  # the even-numbered requests' tokens: unconstrained in every variant but json100
+                  "digest_even": hashlib.sha256(json.dumps(ids[::2]).encode()).hexdigest()[:16],
                   "digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}))
 """
 
 
 # What each side runs: the workload plainly; with logprobs=5; its first 16 prompts with n=4;
-# or those 16 prompts each sent four times (the same tokens as n=4, greedy).
-VARIANTS = ("plain", "logprobs5", "n4", "repeat4")
+# or those 16 prompts each sent four times (the same tokens as n=4, greedy); half or all of
+# the requests under a JSON schema.
+VARIANTS = ("plain", "logprobs5", "n4", "repeat4", "json50", "json100")
 
 
 def _commit(checkout: Path) -> str:
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine(), "model": Path(model).name, "dtype": args.dtype,
         "variants": {"base": args.base_variant, "new": args.new_variant},
         "same_tokens": len({r["digest"] for r in runs}) == 1,
+        "same_even_tokens": len({r["digest_even"] for r in runs}) == 1,
         "median_tokens_per_s": {"base": median("base"), "new": median("new")},
         "median_pair_ratio_new_over_base": round(ratios[len(ratios) // 2], 3),
         "runs": runs,

@@ -131,6 +131,23 @@ def test_a_grammar_that_does_not_compile_fails_its_request_only(llm: LLM) -> Non
     assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 4
 
 
+def test_two_ranks_give_one_ranks_constrained_tokens(tiny_chat_llama_dir: Path) -> None:
+    """Every rank masks its own copy of the logits with its own matchers: the ranks agree on
+    every batch (checked each round) and give one rank's tokens."""
+    prompts = ["Answer in JSON.", "Say something."]
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured=spec)
+              for s in SEEDS for spec in ({"json": SCHEMAS[6]}, ("regex", "[a-z]{2,9}!"))]
+    options = {"dtype": "float32", "max_seq_len": 256, "num_pages": 256, "page_size": 4}
+    one = LLM(str(tiny_chat_llama_dir), **options)
+    alone = [o.token_ids for o in one.generate(prompts * 3, params, use_tqdm=False)]
+    one.close()
+    two = LLM(str(tiny_chat_llama_dir), tensor_parallel_size=2, tp_guard_interval=1, **options)
+    both = two.generate(prompts * 3, params, use_tqdm=False)
+    two.close()
+    assert [o.token_ids for o in both] == alone
+    assert all(o.finish_reason in ("stop", "length") for o in both)
+
+
 # Through a real server and the openai client.
 
 @pytest.fixture(scope="module")
