@@ -148,20 +148,20 @@ class Grammars:
         xgr = _xgrammar()
         self.settle()
         vocab = logits.shape[-1]
-        bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
-        for j, i in enumerate(rows):
+        bitmask = xgr.allocate_token_bitmask(batch.size, vocab)  # all allowed
+        for i in rows:
             row = self._row(batch, i, token_pool)
             if row.broken or row.matcher.is_terminated():
-                bitmask[j].zero_()
+                bitmask[i].zero_()
                 for t in self.stop_ids:
                     if t < vocab:
-                        bitmask[j, t // 32] |= _bit(t % 32)
+                        bitmask[i, t // 32] |= _bit(t % 32)
             else:
-                row.matcher.fill_next_token_bitmask(bitmask, j)
+                row.matcher.fill_next_token_bitmask(bitmask, i)
         out = logits.clone() if raw else logits
-        index = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
-        allowed = _unpack(bitmask.to(logits.device, non_blocking=True), vocab)
-        out[index] = torch.where(allowed, out[index], torch.finfo(out.dtype).min)
+        # xgrammar's kernel (CPU or CUDA) sets what a row's mask forbids to -inf in place.
+        xgr.apply_token_bitmask_inplace(out, bitmask.to(logits.device), vocab_size=vocab,
+                                        indices=list(rows))
         return out
 
     def record(self, tokens: Tensor, batch: Batch, rows: Sequence[int],
@@ -224,10 +224,3 @@ def _bit(k: int) -> int:
     """Bit ``k`` of an int32 word, as the signed value xgrammar's bitmask holds."""
     return -(1 << 31) if k == 31 else 1 << k
 
-
-def _unpack(bitmask: Tensor, vocab: int) -> Tensor:
-    """Bool [R, vocab] of an int32 bitmask [R, ceil(vocab / 32)] (bit k of word w: token
-    32 w + k allowed)."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.flatten(1)[:, :vocab].bool()
