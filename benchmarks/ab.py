@@ -53,6 +53,9 @@ llm = LLM(model, skip_tokenizer_init=True, dtype=dtype, max_running_requests=64,
 try:
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate([p[:64] for p in prompts[:4]], warm, use_tqdm=False)
+    if constrained:  # the tokenizer's vocabulary for xgrammar, and the schema, compiled once
+        llm.generate([prompts[0][:64]], warm.replace(structured={"json": schema}),
+                     use_tqdm=False)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra,
                              **({"structured": {"json": schema}} if i in constrained else {}))
               for i, n in enumerate(max_tokens)]
