@@ -18,6 +18,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from asyncinfer.params import MAX_LOGPROBS, MAX_TENANT_CHARS
 from asyncinfer.server.chat_template import ChatTemplateFields
@@ -167,13 +168,14 @@ class _OpenAISampling(_Sampling):
     suffix: str | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    # What constrains the output (server/structured.py checks them, whatever their type).
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    # What constrains the output (server/structured.py checks them, whatever their type);
+    # left out of the OpenAPI document, whose fuzzing cannot draw texts that compile.
+    response_format: SkipJsonSchema[dict[str, Any] | None] = None
+    structured_outputs: SkipJsonSchema[dict[str, Any] | None] = None
+    guided_json: SkipJsonSchema[Any] = None
+    guided_regex: SkipJsonSchema[Any] = None
+    guided_choice: SkipJsonSchema[Any] = None
+    guided_grammar: SkipJsonSchema[Any] = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _OpenAISampling:
