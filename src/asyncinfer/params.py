@@ -29,8 +29,8 @@ MAX_LOGIT_BIAS = 300                # entries of ``logit_bias``, as OpenAI allow
 MAX_STOP_TOKEN_IDS = 64
 MAX_GRAMMAR_CHARS = 64 * 1024       # a schema, regex, choice list or grammar, as text
 # What ``structured`` constrains the output to: a JSON schema, any JSON object, a regex, one
-# of a JSON list of strings, or an EBNF (GBNF) grammar.
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# of a JSON list of strings, an EBNF (GBNF) grammar, or an xgrammar structural tag (JSON).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @frozen

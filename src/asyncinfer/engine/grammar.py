@@ -121,6 +121,8 @@ class Grammars:
                 grammar = compiler.compile_regex(text)
             elif kind == "choice":
                 grammar = compiler.compile_grammar(choice_grammar(text, field_name))
+            elif kind == "structural_tag":  # xgrammar's format: tags, sequences, schemas
+                grammar = compiler.compile_structural_tag(text)
             else:
                 grammar = compiler.compile_grammar(text)
         except InvalidRequestError:

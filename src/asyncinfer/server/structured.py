@@ -16,7 +16,7 @@ from asyncinfer.server.errors import APIError, bad_request
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
-STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def _text(value: Any, field_name: str, kind: str) -> str:
