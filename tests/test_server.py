@@ -405,27 +405,38 @@ def minimal_body(path: str) -> dict[str, Any]:
     return {"prompt": "hi"} if path == C else {"messages": OK_CHAT}
 
 
-# Values of tool_choice that ask for a tool call (or are no value OpenAI defines), which a
-# server without tools cannot honour.
+# Values of tool_choice that are none OpenAI defines, or that ask for a call of a tool the
+# body does not offer.
 TOOL_CHOICES_REFUSED = ["required", {"type": "function", "function": {"name": "get_weather"}},
                         {"type": "none"}, "None", "AUTO", "", True, 0, [], {}]
 
 
-@pytest.mark.parametrize("path", [C, CHAT])
 @pytest.mark.parametrize("tool_choice", TOOL_CHOICES_REFUSED)
-async def test_tool_choice_asking_for_a_tool_is_a_400_naming_it(
-        client: TestClient, engine: StubEngine, path: str, tool_choice: Any) -> None:
+async def test_tool_choice_without_its_tool_is_a_400_naming_it(
+        client: TestClient, engine: StubEngine, tool_choice: Any) -> None:
     # Alone, beside an empty tool list, and on a stream: refused before anything runs.
     for extra in ({}, {"tools": []}, {"stream": True}):
-        resp = await client.post(path, json={**minimal_body(path), **extra,
+        resp = await client.post(CHAT, json={**minimal_body(CHAT), **extra,
                                              "tool_choice": tool_choice})
         assert resp.status == 400
         assert resp.content_type == "application/json"
         error = assert_error_shape(await resp.json())
         assert error["param"] == "tool_choice"
         assert error["type"] == "invalid_request_error"
-        assert "tool_choice" in error["message"] and '"auto"' in error["message"]
+        assert "tool_choice" in error["message"]
     assert not engine.prompts, "a refused request never reaches the engine"
+
+
+async def test_tools_without_a_tool_call_parser_are_a_400_naming_the_flag(
+        client: TestClient, engine: StubEngine) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in (None, "auto", "required"):
+        resp = await client.post(CHAT, json={**minimal_body(CHAT), "tools": [tool],
+                                             "tool_choice": choice})
+        assert resp.status == 400
+        error = assert_error_shape(await resp.json())
+        assert error["param"] == "tools" and "--tool-call-parser" in error["message"]
+    assert not engine.prompts
 
 
 @pytest.mark.parametrize("path", [C, CHAT])
@@ -443,12 +454,6 @@ async def test_tool_choice_unset_none_or_auto_is_plain_generation(
     assert texts == ["abc"] * len(defaults)
     assert engine.params == [engine.params[0]] * len(defaults)
     assert engine.prompts == [engine.prompts[0]] * len(defaults)
-
-
-async def test_openapi_document_lists_the_tool_choices_accepted(client: TestClient) -> None:
-    schemas = (await (await client.get("/openapi.json")).json())["components"]["schemas"]
-    for request in ("CompletionRequest", "ChatCompletionRequest"):
-        assert schemas[request]["properties"]["tool_choice"]["enum"] == [None, "none", "auto"]
 
 
 async def test_completion_stream_is_sse_ending_in_done(client: TestClient) -> None:

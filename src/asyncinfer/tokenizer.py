@@ -105,14 +105,17 @@ class Tokenizer:
                             special_tokens: bool = True, *,
                             add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
-                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                            template_kwargs: Mapping[str, Any] | None = None,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Token ids of the chat in the model's template, ending in the assistant turn; with
         ``special_tokens=False`` the contents are plain text, the template's tokens stay.
 
         ``add_generation_prompt=False`` leaves out the new assistant turn's header;
         ``continue_final_message`` renders the last message (the assistant's) open, for the
         model to continue; ``template_kwargs`` are more variables for the template (such as
-        Qwen3's ``enable_thinking``), user text too: their strings are plain text as well."""
+        Qwen3's ``enable_thinking``), user text too: their strings are plain text as well;
+        ``tools``: the functions the template lists (OpenAI's ``tools``). A message may carry
+        more than role and content (``tool_calls``, ``tool_call_id``), for the template."""
         if not getattr(self.hf, "chat_template", None):
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template; send a plain prompt instead")
@@ -123,8 +126,10 @@ class Tokenizer:
                     and isinstance(message.get("content"), str)):
                 raise InvalidRequestError(
                     f"messages[{i}] must have a string 'role' and a string 'content'")
-        chat = _ChatOptions(add_generation_prompt, continue_final_message,
-                            _checked_kwargs(template_kwargs))
+        kwargs = _checked_kwargs(template_kwargs)
+        if tools:
+            kwargs["tools"] = list(tools)
+        chat = _ChatOptions(add_generation_prompt, continue_final_message, kwargs)
         if continue_final_message:
             if add_generation_prompt:
                 raise InvalidRequestError(
@@ -135,7 +140,7 @@ class Tokenizer:
                     f"continue_final_message continues the assistant's last message, but the "
                     f"last message is the {messages[-1]['role']!r}'s",
                     param="continue_final_message")
-        if special_tokens or not (any(self._spells_special(m["content"]) for m in messages)
+        if special_tokens or not (any(self._spells_special_in(m) for m in messages)
                                   or self._spells_special_in(chat.kwargs)):
             return list(self._render(messages, chat, tokenize=True))
         return self._render_content_as_text(messages, chat)
@@ -182,6 +187,17 @@ class Tokenizer:
         return False
 
     @functools.cached_property
+    def _special_pattern(self) -> re.Pattern[str]:
+        """Any of the special texts, the longest first."""
+        texts = sorted(self._special_texts, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts)) or "(?!)")
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template lists tools and renders calls (it reads ``tools``)."""
+        return "tools" in str(getattr(self.hf, "chat_template", None) or "")
+
+    @functools.cached_property
     def _special_texts(self) -> tuple[str, ...]:
         """Texts the tokenizer turns into added (special or control) tokens."""
         return tuple(t for t in self.hf.get_added_vocab() if t)
@@ -192,7 +208,7 @@ class Tokenizer:
         spells a control token); the template tokenized, those texts as text. Linear in the
         chat's size: one render, one split, two batched encodes."""
         nonce = uuid.uuid4().hex
-        while any(nonce in m["content"] for m in messages) or nonce in repr(chat.kwargs):
+        while nonce in repr(messages) or nonce in repr(chat.kwargs):
             nonce = uuid.uuid4().hex
         texts = [m["content"] for m in messages]
 
@@ -200,8 +216,13 @@ class Tokenizer:
             texts.append(text)
             return f"\ue000{nonce}{len(texts) - 1}\ue001"
 
-        marked = [{**m, "content": f"\ue000{nonce}{i}\ue001"} for i, m in enumerate(messages)]
-        kwargs = _replace_strings(chat.kwargs, self._spells_special, placeholder)
+        def each(text: str) -> str:  # every control token's text apart: JSON-safe
+            return self._special_pattern.sub(lambda m: placeholder(m.group(0)), text)
+
+        marked = [{**_replace_strings(m, self._spells_special, each),
+                   "role": m["role"], "content": f"\ue000{nonce}{i}\ue001"}
+                  for i, m in enumerate(messages)]
+        kwargs = _replace_strings(chat.kwargs, self._spells_special, each)
         rendered = self._render(marked, attrs.evolve(chat, kwargs=kwargs), tokenize=False)
         # Alternately the template's text and a text's index (a template may drop a
         # message, such as old reasoning turns).

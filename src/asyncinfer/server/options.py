@@ -16,6 +16,7 @@ from attrs import field, frozen
 from asyncinfer.config import OPTION, OptionInfo
 from asyncinfer.errors import ConfigError
 from asyncinfer.server.reasoning import PARSERS
+from asyncinfer.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 GROUP = "asyncinfer.server.group"
 REPLICAS = "data-parallel replicas"
@@ -133,6 +134,12 @@ class ServerOptions:
         help="split a chat's output into message.reasoning_content (its <think> block) and "
              "content, streamed deltas too: qwen3 (a block the output opens) or deepseek_r1 "
              "(the output starts inside the block the template opened)")
+    tool_call_parser: str | None = _option(
+        None, choices=TOOL_PARSERS, means="none (tools may not be called)",
+        help="read the tool calls of a chat's output as message.tool_calls, and let "
+             "tool_choice auto, required or a named function call them: hermes "
+             "(<tool_call> blocks: Qwen2.5, Qwen3, Hermes) or llama3_json (Llama 3.1 to 3.3 "
+             "JSON calls)")
     retry_after: int = 1                # seconds, in the Retry-After of a 503
 
     @classmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from attrs import frozen
 from pydantic import (
@@ -41,6 +41,7 @@ from asyncinfer.server.fields import (
     check_stop,
     integral,
 )
+from asyncinfer.server.messages import ChatMessage
 from asyncinfer.server.structured import constraint
 from asyncinfer.server.token_fields import (
     LogitBias,
@@ -48,6 +49,7 @@ from asyncinfer.server.token_fields import (
     check_logit_bias,
     check_stop_token_ids,
 )
+from asyncinfer.server.tools import ToolFields
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -62,6 +64,8 @@ class Limits:
     max_prompt_chars: int
     max_tokens_limit: int
     default_max_tokens: int
+    tool_call_parser: str | None = None   # --tool-call-parser: tools may be called
+    reasoning_parser: str | None = None   # --reasoning-parser: a block may come first
 
 
 class _Strict(BaseModel):
@@ -166,8 +170,6 @@ class _OpenAISampling(_Sampling):
     user: _Tenant = None
     # Not implemented: refused unless unset or at their default (see _refuse_unsupported).
     suffix: str | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     # What constrains the output (server/structured.py checks them, whatever their type);
     # left out of the OpenAPI document, whose fuzzing cannot draw texts that compile.
     response_format: SkipJsonSchema[dict[str, Any] | None] = None
@@ -218,14 +220,8 @@ class _OpenAISampling(_Sampling):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-# Each refused field with the values that ask for nothing beyond plain generation: unset or
-# OpenAI's default. ``tool_choice``: with no tools (``tools`` is refused unless empty) OpenAI's
-# default is "none", and "auto" leaves the choice to the model among no tools, which is plain
-# generation too; "required", a named function or any other value asks for a tool call.
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-}
+# Each refused field with the values that ask for nothing beyond plain generation.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {"suffix": (None, "")}
 
 _PromptSchema = WithJsonSchema({"anyOf": [
     {"type": "string", "minLength": 1},
@@ -300,43 +296,7 @@ class CompletionRequest(_OpenAISampling):
         return [value]
 
 
-class TextPart(_Strict):
-    """A text part of a chat message's content."""
-
-    type: Literal["text"]
-    text: str
-
-
-_CONTENT_SCHEMA = WithJsonSchema({"anyOf": [
-    {"type": "string"},
-    {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-        "type": {"const": "text"}, "text": {"type": "string"}}}}]})
-
-
-class ChatMessage(_Strict):
-    """One chat turn; ``developer`` is read as ``system``."""
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | list[TextPart], _CONTENT_SCHEMA]
-    name: str | None = None
-
-    @field_validator("content", mode="wrap")
-    @classmethod
-    def _text_only(cls, value: Any, handler: Any) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            raise ValueError("must be a string or a list of text parts (only text parts are "
-                             "supported)") from None
-
-    def text(self) -> str:
-        """The content as one string (text parts joined)."""
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content
-
-
-class ChatCompletionRequest(_OpenAISampling, ChatTemplateFields):
+class ChatCompletionRequest(_OpenAISampling, ChatTemplateFields, ToolFields):
     """``POST /v1/chat/completions``; without a length the server's default applies."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -361,15 +321,15 @@ class ChatCompletionRequest(_OpenAISampling, ChatTemplateFields):
     @model_validator(mode="after")
     def _fits_by_characters(self, info: ValidationInfo) -> ChatCompletionRequest:
         limits = _limits(info)
-        chars = sum(len(m.text()) for m in self.messages) + self.template_chars()
+        chars = (sum(m.characters() for m in self.messages) + self.template_chars()
+                 + (len(json.dumps(self.tool_list())) if self.tools else 0))
         if chars > limits.max_prompt_chars:
             raise too_long_by_characters(chars, limits, "messages")
         return self
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """``{"role", "content"}`` strings, as chat templates take them."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates take them (see ``ChatMessage.rendered``)."""
+        return [m.rendered(i) for i, m in enumerate(self.messages)]
 
     def echoed(self) -> str:
         """What ``echo`` puts before the reply: the last message's text if the assistant's

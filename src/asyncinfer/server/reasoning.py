@@ -103,14 +103,14 @@ class ReasoningStream:
         if self._state == "reasoning":
             before, tag, after = held.partition(CLOSE)
             if not tag:
-                keep = 0 if final else _partial_tag(held, CLOSE)
+                keep = 0 if final else partial_tag(held, CLOSE)
                 self._held = held[len(held) - keep:]
                 return held[:len(held) - keep], ""
             reasoning, held, self._state = before, after, "content"
         return reasoning, held
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (shorter than it)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:size]):

@@ -34,6 +34,7 @@ from asyncinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from asyncinfer.server.openapi import openapi_document
 from asyncinfer.server.operations import Call, Operations
 from asyncinfer.server.options import ServerOptions
+from asyncinfer.server.tool_parsers import ToolStream
 
 if TYPE_CHECKING:
     from asyncinfer.outputs import RequestOutput, StreamDelta
@@ -80,13 +81,18 @@ class _Encoder:
         return await self._run(functools.partial(
             self.tokenizer.encode, text, special_tokens=self.special_tokens))
 
-    async def chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool,
-                   continue_final_message: bool,
-                   template_kwargs: Mapping[str, Any]) -> list[int]:
+    @property
+    def renders_tools(self) -> bool:
+        return bool(getattr(self.tokenizer, "renders_tools", False))
+
+    async def chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                   continue_final_message: bool, template_kwargs: Mapping[str, Any],
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
         return await self._run(functools.partial(
             self.tokenizer.apply_chat_template, messages, special_tokens=self.special_tokens,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, template_kwargs=template_kwargs))
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+            **({"tools": tools} if tools else {})))
 
     async def _run(self, work: Callable[[], list[int]]) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self.pool, work)
@@ -112,7 +118,9 @@ class Routes:
             vocab_size=tokenizer.vocab_size, context_len=context,
             max_prompt_chars=max_prompt_chars(context, tokenizer.max_token_chars),
             max_tokens_limit=min(options.max_tokens_limit or context, context),
-            default_max_tokens=options.default_max_tokens)
+            default_max_tokens=options.default_max_tokens,
+            tool_call_parser=options.tool_call_parser,
+            reasoning_parser=options.reasoning_parser)
 
     def add_routes(self, app: web.Application) -> None:
         counted = self.operations.counted
@@ -191,20 +199,31 @@ class Routes:
         started: set[int] = set()  # the choices whose first chunk (a chat's role) went out
 
         splits: dict[int, reasoning.ReasoningStream] = {}  # by choice
+        calls: dict[int, ToolStream] = {}
 
         def chunks(delta: StreamDelta, first: bool) -> list[Any]:
             first = delta.index not in started
-            text, thought = delta.text, ""
+            text, thought, done = delta.text, "", delta.finish_reason is not None
             if fmt.reasoning is not None:
                 split = splits.get(delta.index)
                 if split is None:
                     split = splits[delta.index] = fmt.reasoning.stream()
                 thought, text = split.push(delta.text)
-                if delta.finish_reason is not None:
+                if done:
                     more_thought, more_text = split.finish()
                     thought, text = thought + more_thought, text + more_text
             started.add(delta.index)  # a choice's first delta always makes a chunk
-            return fmt.chunks(delta, first, parsed.include_usage, text, thought)
+            if parsed.tools is None:
+                return fmt.chunks(delta, first, parsed.include_usage, text, thought)
+            stream = calls.get(delta.index)
+            if stream is None:
+                stream = calls[delta.index] = parsed.tools.stream()
+            before = len(stream.calls)
+            text, made = stream.push(text)
+            if done:
+                more_text, more_made = stream.finish()
+                text, made = text + more_text, made + more_made
+            return fmt.chunks(delta, first, parsed.include_usage, text, thought, made, before)
 
         return await self._relay(call, parsed, SSE, chunks)
 

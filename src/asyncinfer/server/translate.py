@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from attrs import evolve, field, frozen
 
 import asyncinfer.server.protocol as protocol
+import asyncinfer.server.tools as tools
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import SamplingParams
 from asyncinfer.server.errors import APIError, bad_request
 from asyncinfer.server.logprobs import LegacyLogprobs, chat_content, joined
 from asyncinfer.server.reasoning import ReasoningParser
+from asyncinfer.server.tool_parsers import ToolCall, ToolParser
 
 if TYPE_CHECKING:
     from asyncinfer.api import RequestOutput
@@ -27,10 +29,12 @@ if TYPE_CHECKING:
 class TextEncoder(Protocol):
     """Tokenizes what users send (off the event loop; their text never makes special tokens)."""
 
+    @property
+    def renders_tools(self) -> bool: ...   # the chat template lists tools and their calls
     async def encode(self, text: str) -> list[int]: ...
-    async def chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool,
-                   continue_final_message: bool,
-                   template_kwargs: Mapping[str, Any]) -> list[int]: ...
+    async def chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                   continue_final_message: bool, template_kwargs: Mapping[str, Any],
+                   tools: list[dict[str, Any]] | None = None) -> list[int]: ...
 
 
 @frozen
@@ -46,6 +50,7 @@ class ParsedRequest:
     # What echo puts before each prompt's choices: the prompts as sent (text, or token ids
     # to decode), one per prompt; None without echo.
     echo: tuple[str | list[int], ...] | None = None
+    tools: ToolParser | None = None   # how a chat's tool calls are read from its output
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -87,15 +92,25 @@ async def chat(body: Mapping[str, Any], encoder: TextEncoder,
                limits: protocol.Limits) -> ParsedRequest:
     """A ``/v1/chat/completions`` body; without a length, the server's default applies."""
     req = protocol.validate(protocol.ChatCompletionRequest, body, limits)
-    ids = await encoder.chat(req.chat_messages(), **req.template_options())
+    plan = tools.plan(req, limits.tool_call_parser,
+                      reasoning=limits.reasoning_parser if req.thinking else None)
+    messages, listed = req.chat_messages(), plan.tools
+    if not getattr(encoder, "renders_tools", False):   # written in the parser's format
+        messages, listed = tools.written(messages, listed, limits.tool_call_parser), []
+    ids = await encoder.chat(messages, tools=listed or None, **req.template_options())
     check_length(ids, limits.context_len, "messages")
     max_tokens = getattr(req, req.length_param)
     options = req.sampling_options()
+    if plan.structured is not None:
+        if "structured" in options:
+            raise bad_request(f"tool_choice {req.tool_mode!r} and {options['structured_field']} "
+                              f"both constrain the output: set one", "tool_choice")
+        options["structured"], options["structured_field"] = plan.structured, "tools"
     if req.logprobs:
         options["logprobs"] = req.top_logprobs or 0
     params = _params(options, limits.default_max_tokens if max_tokens is None else max_tokens)
     return ParsedRequest(ids, params, bool(req.stream), req.include_usage, req.thinking,
-                         echo=(req.echoed(),) if req.echo else None)
+                         echo=(req.echoed(),) if req.echo else None, tools=plan.parser)
 
 
 async def generate(body: Mapping[str, Any], encoder: TextEncoder,
@@ -214,7 +229,9 @@ class Formatter:
                 "logprobs": self._logprobs(one.index, one.token_ids, one.logprobs,
                                            output.prompt_logprobs, with_prompt=True)}
             if self.chat:
-                choice["message"] = self.message(one.text, one.index)
+                choice["message"] = message = self.message(one.text, one.index)
+                choice["finish_reason"] = finished(one.finish_reason,
+                                                   bool(message.get("tool_calls")))
             else:
                 choice["text"] = self.echo_text(one.index) + one.text
             choices.append(choice)
@@ -222,11 +239,14 @@ class Formatter:
         return {**self._envelope(kind, choices), "usage": usage(output)}
 
     def chunks(self, delta: StreamDelta, first: bool, include_usage: bool,
-               content: str | None = None, reasoning: str = "") -> list[Any]:
+               content: str | None = None, reasoning: str = "",
+               calls: Sequence[ToolCall] = (), called: int = 0) -> list[Any]:
         """The stream chunks of one delta: its text (after the echo, in its choice's first)
-        with its tokens' logprobs, then the usage chunk after the last when
+        with its tokens' logprobs, its tool calls, then the usage chunk after the last when
         ``include_usage``; ``content`` and ``reasoning``: the delta's text split by a
-        reasoning parser. A choice's first delta always makes a chunk."""
+        reasoning parser and a tool-call parser; ``calls``: the calls the delta completes,
+        after the ``called`` its choice made before. A choice's first delta always makes a
+        chunk."""
         index = delta.index
         text = delta.text if content is None else content
         text = self.echo_text(index) + text if first else text
@@ -234,25 +254,51 @@ class Formatter:
         if self._asks_logprobs:
             logprobs = self._logprobs(index, delta.token_ids, delta.logprobs,
                                       delta.prompt_logprobs, with_prompt=first)
+        finish = finished(delta.finish_reason, bool(calls or called))
         out = []
-        if first or text or reasoning or delta.finish_reason is not None or (
+        if first or text or reasoning or (finish is not None and not calls) or (
                 logprobs is not None and delta.token_ids):
-            out.append(self.chunk(text, delta.finish_reason, first=first,
+            out.append(self.chunk(text, None if calls else finish, first=first,
                                   include_usage=include_usage, reasoning=reasoning,
                                   index=index, logprobs=logprobs))
+        for k, call in enumerate(calls):
+            # As OpenAI streams a call: its id and name with empty arguments, then these.
+            head = {"index": called + k, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}
+            rest = {"index": called + k, "function": {"arguments": call.arguments}}
+            out.append(self._call_chunk(head, index, None, include_usage))
+            out.append(self._call_chunk(rest, index, finish if k == len(calls) - 1 else None,
+                                        include_usage))
         if delta.output is not None and include_usage:
             out.append(self.usage_chunk(delta.output))
         return out
 
     def message(self, text: str, index: int = 0) -> dict[str, Any]:
         """A chat's whole message, after the echo; with a reasoning parser, the reasoning
-        apart."""
+        apart; with a tool-call parser, the calls apart (content null if only calls)."""
         echo = self.echo_text(index)
-        if self.reasoning is None:
-            return {"role": "assistant", "content": echo + text, "refusal": None}
-        split = self.reasoning.split(text)
-        return {"role": "assistant", "content": echo + split.content,
-                "reasoning_content": split.reasoning, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": echo + text,
+                                   "refusal": None}
+        if self.reasoning is not None:
+            split = self.reasoning.split(text)
+            text = split.content
+            message["content"], message["reasoning_content"] = echo + text, split.reasoning
+        tools = self.parsed.tools if self.parsed is not None else None
+        if tools is not None:
+            parsed = tools.parse(text)
+            if parsed.calls:
+                message["content"] = (echo + (parsed.content or "")) or None
+                message["tool_calls"] = [call.openai() for call in parsed.calls]
+        return message
+
+    def _call_chunk(self, call: dict[str, Any], index: int, finish_reason: str | None,
+                    include_usage: bool) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk", [{
+            "index": index, "delta": {"tool_calls": [call]}, "logprobs": None,
+            "finish_reason": finish_reason}])
+        if include_usage:
+            body["usage"] = None
+        return body
 
     def chunk(self, text: str, finish_reason: str | None, *, first: bool = False,
               include_usage: bool = False, reasoning: str = "", index: int = 0,
@@ -320,6 +366,12 @@ class Formatter:
             return set()
         special = self.tokenizer.special_ids
         return {t for t in set(ids) & special if self.tokenizer.piece(t)[0] not in echo}
+
+
+def finished(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason of a chat choice: ``tool_calls`` where one that made calls
+    stopped by itself."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def merge(outputs: list[RequestOutput], n: int) -> RequestOutput:
