@@ -5,12 +5,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from asyncinfer.params import BOUNDS, MAX_LOGPROBS, MAX_N, MIN_TEMPERATURE
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+
+
+class Strict(BaseModel):
+    """Strict types, extra fields ignored (OpenAI clients send fields this server needs not)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
 
 
 def integral(value: Any) -> Any:

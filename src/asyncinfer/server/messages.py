@@ -7,7 +7,6 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
@@ -18,10 +17,7 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 
 from asyncinfer.server.errors import bad_request
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+from asyncinfer.server.fields import Strict as _Strict
 
 
 class TextPart(_Strict):

@@ -9,7 +9,6 @@ from typing import Annotated, Any
 
 from attrs import frozen
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
@@ -41,6 +40,7 @@ from asyncinfer.server.fields import (
     check_stop,
     integral,
 )
+from asyncinfer.server.fields import Strict as _Strict
 from asyncinfer.server.messages import ChatMessage
 from asyncinfer.server.structured import constraint
 from asyncinfer.server.token_fields import (
@@ -66,12 +66,6 @@ class Limits:
     default_max_tokens: int
     tool_call_parser: str | None = None   # --tool-call-parser: tools may be called
     reasoning_parser: str | None = None   # --reasoning-parser: a block may come first
-
-
-class _Strict(BaseModel):
-    """Strict types, extra fields ignored (OpenAI clients send fields this server needs not)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
 
 def _limits(info: ValidationInfo) -> Limits:

@@ -11,11 +11,12 @@ import json
 from typing import Annotated, Any, Literal
 
 from attrs import frozen
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from asyncinfer.params import MAX_GRAMMAR_CHARS
 from asyncinfer.server.errors import bad_request
+from asyncinfer.server.fields import Strict as _Strict
 from asyncinfer.server.tool_parsers import ToolParser, parser
 
 MAX_TOOLS = 128     # as OpenAI allows
@@ -23,10 +24,6 @@ _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 _CHOICES = ("none", "auto", "required")
 # A function that declares no parameters takes none (OpenAI's reading of a missing schema).
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
 
 
 class FunctionDefinition(_Strict):
@@ -45,10 +42,8 @@ class Tool(_Strict):
     function: FunctionDefinition
 
 
-class ToolFields(BaseModel):
+class ToolFields(_Strict):
     """The tool fields of ``ChatCompletionRequest`` (a base of it)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     # Left out of the OpenAPI document, as the constraint fields: whether a body with tools
     # is served depends on --tool-call-parser, and their schemas on compiling.
@@ -167,8 +162,8 @@ def written(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
         role, content = message["role"], message.get("content") or ""
         if message.get("tool_calls"):
             calls = [_call_text(c["function"], hermes) for c in message["tool_calls"]]
-            content = "\n".join([content, *calls] if content else calls) if hermes else (
-                "; ".join(calls) if not content else content + "\n" + "; ".join(calls))
+            written_calls = ("\n" if hermes else "; ").join(calls)
+            content = f"{content}\n{written_calls}" if content else written_calls
         elif role == "tool":
             role, content = "user", (f"<tool_response>\n{content}\n</tool_response>" if hermes
                                      else f"The tool's result: {content}")
