@@ -147,15 +147,19 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, listener: soc
             return 0
         spawn = multiprocessing.get_context("spawn")
         workers = options.api_workers
-        for index in range(1, workers):
-            front = spawn.Process(target=_front_process, name=f"asyncinfer-front-{index}",
-                                  args=(args, info, addresses, index, workers, listener,
-                                        bool(getattr(args, "verbose", False))))
-            front.start()
-            processes.append(front)
+
+        def spawn_fronts() -> list[SpawnProcess]:
+            for index in range(1, workers):
+                front = spawn.Process(target=_front_process, name=f"asyncinfer-front-{index}",
+                                      args=(args, info, addresses, index, workers, listener,
+                                            bool(getattr(args, "verbose", False))))
+                front.start()
+                processes.append(front)
+            return processes[1:]
+
         return await _front(args, info, addresses, 0, workers, listener, signals,
-                            children=processes[1:], core=processes[0], starting=starting,
-                            stop=stop)
+                            spawn_children=spawn_fronts, core=processes[0],
+                            starting=starting, stop=stop)
     finally:
         await starting.close()
 
@@ -283,12 +287,15 @@ def _front_process(args: argparse.Namespace, info: CoreInfo, addresses: Addresse
 
 async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses, index: int,
                  workers: int, listener: socket.socket, signals: StopSignals, *,
-                 parent: int | None = None, children: list[SpawnProcess] | None = None,
+                 parent: int | None = None,
+                 spawn_children: Callable[[], list[SpawnProcess]] | None = None,
                  core: SpawnProcess | None = None, starting: Starting | None = None,
                  stop: asyncio.Event | None = None) -> int:
     """Serve HTTP on ``listener`` for the core until stopped (at once where ``signals``
     kept one from before the loop watched them, or ``stop`` is set); the exit code.
-    ``starting`` answers on the port until this front's app takes over."""
+    ``starting`` answers on the port until this front's app takes over; then
+    ``spawn_children`` starts the other fronts, so that no front answers ready while
+    ``starting`` still refuses on the same port."""
     from asyncinfer.ipc.client import EngineClient
     from asyncinfer.server.app import create_app
     from asyncinfer.server.operations import STATE, drain, unready
@@ -321,8 +328,7 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
                                      f"{_exit_of(core)}"))
     if parent is not None:
         unwatch.append(watch_exit(parent, fail(lambda: f"the server process {parent} is gone")))
-    for child in children or []:
-        unwatch.append(watch_exit(_pid(child), _front_exit(child, stop, fail)))
+    children: list[SpawnProcess] = []
     runner: web.AppRunner | None = None
     try:
         worker = WorkerInfo.from_model_dir(info.model_dir, info.tp_size, info.policy,
@@ -336,6 +342,11 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
         if starting is not None:  # meanwhile new connections wait in the listen queue
             await starting.close()
         await web.SockSite(runner, listener).start()
+        # No await between serving and spawning: this front answers nothing before the
+        # others exist.
+        for child in spawn_children() if spawn_children is not None else []:
+            children.append(child)
+            unwatch.append(watch_exit(_pid(child), _front_exit(child, stop, fail)))
         if index == 0:
             url = http_url(args.host, listener.getsockname()[1])
             replica = getattr(args, "replica", None)
@@ -344,7 +355,7 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
             else:  # the launcher's banner names every replica
                 logger.info("replica %d ready on %s", replica, url)
         await stop.wait()
-        for child in children or []:  # they drain at the same time as this one
+        for child in children:  # they drain at the same time as this one
             with contextlib.suppress(ProcessLookupError):
                 os.kill(_pid(child), signal.SIGTERM)
         if failure:
@@ -359,7 +370,7 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
             else:
                 logger.info("shutting down: nothing in flight, stopping now")
             await drain(app, args.shutdown_timeout)
-            for child in children or []:
+            for child in children:
                 await loop.run_in_executor(None, child.join,
                                            args.shutdown_delay + args.shutdown_timeout + 15)
     finally:
