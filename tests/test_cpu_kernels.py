@@ -320,6 +320,31 @@ def test_argmax_equals_torchs_with_ties_and_nans(march: str) -> None:
         assert torch.equal(kernels.argmax(rows), rows.argmax(dim=-1)), width
 
 
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bitmask_mask_equals_xgrammars_kernel(march: str, dtype: torch.dtype) -> None:
+    xgr = pytest.importorskip("xgrammar")
+    kernels = _build(march)
+    gen = torch.Generator().manual_seed(5)
+    # A vocabulary that is not a whole number of words, rows with a stride (padded logits),
+    # bitmask rows all clear, all set and random, and rows left out of the masked set.
+    for vocab in (49152, 1007, 19):
+        logits = torch.randn(9, vocab + 13, generator=gen).to(dtype)[:, :vocab + 5]
+        words = (vocab + 31) // 32
+        bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (9, words), generator=gen,
+                                dtype=torch.int32)
+        bitmask[2], bitmask[3] = 0, -1
+        bitmask[6, : words // 2] = 0
+        rows = [0, 2, 3, 6, 8]
+        ours, theirs = logits.clone(), logits.clone()
+        kernels.mask_rows(ours, bitmask, rows, vocab)
+        xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab, indices=rows)
+        assert torch.equal(ours, theirs), vocab
+        assert torch.equal(ours[[1, 4, 5, 7]], logits[[1, 4, 5, 7]])   # not in rows
+        assert torch.equal(ours[:, vocab:], logits[:, vocab:])         # past the vocabulary
+        assert ours[2, :vocab].eq(float("-inf")).all() and torch.equal(ours[3], logits[3])
+
+
 @pytest.mark.parametrize("keep_plain", [True, False])
 def test_packed_weights_give_torchs_products_and_free_the_plain_copy_when_asked(
         keep_plain: bool) -> None:

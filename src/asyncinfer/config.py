@@ -325,7 +325,8 @@ class EngineConfig:
     cpu_kernels: bool = option(
         True, help="on a CPU, compile kernels for this CPU (needs a C compiler): decode "
                    "attention that reads K and V in place in the paged cache, the layer's "
-                   "norms, rotary and SiLU in bf16, and greedy argmax; off: torch's ops")
+                   "norms, rotary and SiLU in bf16, greedy argmax and structured output's "
+                   "mask; off: torch's ops and xgrammar's mask")
     max_extend_tokens: int = option(4096, check=_positive,
                                     help="prefill tokens one round may compute")
     chunked_prefill: bool = option(True, help="split a prompt longer than max_extend_tokens "

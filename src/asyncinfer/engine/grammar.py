@@ -18,6 +18,7 @@ from torch import Tensor
 
 from asyncinfer.core import Batch
 from asyncinfer.errors import InvalidRequestError
+from asyncinfer.kernels.cpu import NativeKernels
 from asyncinfer.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -68,10 +69,13 @@ class _Pending:
 
 
 class Grammars:
-    """Compiles constraints for the model at ``model_dir`` and masks constrained rows."""
+    """Compiles constraints for the model at ``model_dir`` and masks constrained rows (with
+    ``native``'s kernel where it takes the logits: xgrammar's CPU kernel tests bit by bit)."""
 
-    def __init__(self, model_dir: Path, vocab_size: int) -> None:
+    def __init__(self, model_dir: Path, vocab_size: int,
+                 native: NativeKernels | None = None) -> None:
         self.model_dir, self.vocab_size = model_dir, vocab_size
+        self.native = native
         self.stop_ids: frozenset[int] = frozenset()   # set by the engine: what ends a request
         self._lock = threading.Lock()
         self._compiler: Any = None
@@ -161,9 +165,12 @@ class Grammars:
             else:
                 row.matcher.fill_next_token_bitmask(bitmask, i)
         out = logits.clone() if raw else logits
-        # xgrammar's kernel (CPU or CUDA) sets what a row's mask forbids to -inf in place.
-        xgr.apply_token_bitmask_inplace(out, bitmask.to(logits.device), vocab_size=vocab,
-                                        indices=list(rows))
+        # Set what a row's mask forbids to -inf, in place: our CPU kernel, else xgrammar's.
+        if self.native is not None and self.native.masks(out):
+            self.native.mask_rows(out, bitmask, list(rows), vocab)
+        else:
+            xgr.apply_token_bitmask_inplace(out, bitmask.to(logits.device), vocab_size=vocab,
+                                            indices=list(rows))
         return out
 
     def record(self, tokens: Tensor, batch: Batch, rows: Sequence[int],

@@ -124,7 +124,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device,
                                argmax=None if kernels is None else kernels.argmax)
         self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
-        self.grammars = Grammars(model_dir, self.model_config.vocab_size)
+        self.grammars = Grammars(model_dir, self.model_config.vocab_size, native=kernels)
         if config.compiles:
             logger.info("compiled with torch.compile in %.1f s",
                         time.perf_counter() - compile_start)

@@ -1,6 +1,7 @@
 """CPU kernels of our own, compiled for this CPU at first use: decode attention over the
 paged KV cache (``cpu_attention.c``, for the torch attention backend), the elementwise work
-between a layer's matrix products (``cpu_layer_ops.c``, for layers.fused), and, where the
+between a layer's matrix products (``cpu_layer_ops.c``, for layers.fused), structured
+output's token-bitmask mask (``cpu_mask.c``, for engine.grammar), and, where the
 CPU has AMX tile units, bfloat16 matrix products (``cpu_gemm.c``, for layers.linear) and
 prefill attention (``cpu_prefill.c``, for the torch attention backend).
 
@@ -35,7 +36,8 @@ from asyncinfer.memory import Slab
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_attention.c", "cpu_layer_ops.c", "cpu_gemm.c", "cpu_prefill.c")]
+           for name in ("cpu_attention.c", "cpu_layer_ops.c", "cpu_gemm.c", "cpu_prefill.c",
+                        "cpu_mask.c")]
 HEADERS = [Path(__file__).with_name("cpu_common.h")]
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-std=c11", "-ffp-contract=fast", "-Wno-psabi"]
@@ -79,6 +81,8 @@ class NativeKernels:
         self._silu = self._bind("silu_mul_bf16", _SILU_ARGS)
         self._rope = self._bind("qk_norm_rope_store_bf16", _ROPE_ARGS)
         self._argmax = self._bind("argmax_rows_f32", _ARGMAX_ARGS)
+        self._mask = self._bind("mask_rows", [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT,
+                                              _INT])
         self._pack = self._bind("pack_bf16", [_PTR, _I64, _I64, _PTR])
         self._amx_linear = self._bind("amx_linear_bf16", _GEMM_ARGS)
         self._wide_linear = self._bind("wide_linear_bf16", _GEMM_ARGS)
@@ -278,6 +282,26 @@ class NativeKernels:
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax(logits.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
         return out
+
+    @staticmethod
+    def masks(logits: torch.Tensor) -> bool:
+        """Whether :meth:`mask_rows` takes ``logits``: float32 or bf16 [rows, vocab], on the
+        CPU, each row contiguous."""
+        return (logits.device.type == "cpu" and logits.dim() == 2
+                and logits.dtype in (torch.float32, torch.bfloat16) and logits.stride(1) == 1)
+
+    def mask_rows(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                  vocab: int) -> None:
+        """In place, as xgrammar's ``apply_token_bitmask_inplace``: each row ``r`` of
+        ``rows`` of ``logits`` set to -inf at the first ``vocab`` tokens whose bit in
+        ``bitmask[r]`` (int32 words, bit j of word w for token 32 w + j) is clear."""
+        assert self.masks(logits) and bitmask.dtype == torch.int32 and bitmask.is_contiguous()
+        assert bitmask.shape[0] >= logits.shape[0] and bitmask.shape[1] * 32 >= vocab
+        assert vocab <= logits.shape[1] and all(0 <= r < logits.shape[0] for r in rows)
+        index = torch.tensor(rows, dtype=torch.int64)
+        self._mask(logits.data_ptr(), logits.stride(0), vocab, bitmask.data_ptr(),
+                   bitmask.shape[1], index.data_ptr(), len(rows),
+                   int(logits.dtype == torch.bfloat16), torch.get_num_threads())
 
 
 @functools.cache
