@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 
 # A test that needs the embedded SmolLM2 (fetched and converted into the cache on first use)
 # is marked slow, by the fixtures that hand it over: `-m "not slow"` runs the others.
-EMBEDDED_MODEL_FIXTURES = {"smollm2_dir", "served_model"}
+EMBEDDED_MODEL_FIXTURES = {"smollm2_dir", "served_model", "plain_server"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -47,6 +48,16 @@ def served_model() -> Path:
     from asyncinfer.models.source import resolve_model
 
     return resolve_model(engine_under_test()[0])
+
+
+@pytest.fixture(scope="session")
+def plain_server(served_model: Path) -> Iterator[str]:
+    """The URL of one `asyncinfer serve` of ``served_model`` with no extra options, shared by
+    the HTTP tests that need nothing else (a start is many seconds on two cores)."""
+    from tests.test_server_process import served
+
+    with served(served_model) as url:
+        yield url
 
 
 def _save_tiny(config, path: Path) -> Path:  # type: ignore[no-untyped-def]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from asyncinfer.errors import InvalidRequestError
 from asyncinfer.params import MAX_N, SamplingParams, choice_seed
 from tests.conftest import engine_under_test
 from tests.hf_reference import hf_greedy, load_hf
-from tests.test_server_process import NAME, served
+from tests.test_server_process import NAME
 
 PAGE = 4
 
@@ -253,9 +252,8 @@ PROMPT = "The three best things about the sea are"
 
 
 @pytest.fixture(scope="module")
-def server(served_model: Path) -> Iterator[str]:
-    with served(served_model) as url:
-        yield url
+def server(plain_server: str) -> str:
+    return plain_server
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ streamed and whole, the echoed prompt's logprobs of a pure scoring request, and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import torch
 
 from asyncinfer.tokenizer import Tokenizer
 from tests.hf_reference import hf_greedy, load_hf
-from tests.test_server_process import NAME, served
+from tests.test_server_process import NAME
 
 openai = pytest.importorskip("openai")
 
@@ -24,9 +23,8 @@ NEW = 8
 
 
 @pytest.fixture(scope="module")
-def server(served_model: Path) -> Iterator[str]:
-    with served(served_model) as url:
-        yield url
+def server(plain_server: str) -> str:
+    return plain_server
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import json
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from asyncinfer.params import SamplingParams
 from asyncinfer.tokenizer import Tokenizer
 from tests.hf_reference import hf_last_logits, load_hf
 from tests.test_llm import tiny_llm
-from tests.test_server_process import NAME, served
+from tests.test_server_process import NAME
 
 TINY_EOS = 1  # tiny_llama_dir's eos_token_id
 
@@ -247,9 +246,8 @@ REPEATS = "List the colors: red, blue, red, blue, red,"
 
 
 @pytest.fixture(scope="module")
-def server(served_model: Path) -> Iterator[str]:
-    with served(served_model) as url:
-        yield url
+def server(plain_server: str) -> str:
+    return plain_server
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 
 from asyncinfer.api import LLM
 from asyncinfer.params import SamplingParams
-from tests.test_server_process import NAME, served
+from tests.test_server_process import NAME
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -151,9 +151,8 @@ def test_two_ranks_give_one_ranks_constrained_tokens(tiny_chat_llama_dir: Path) 
 # Through a real server and the openai client.
 
 @pytest.fixture(scope="module")
-def server(served_model: Path) -> Iterator[str]:
-    with served(served_model) as url:
-        yield url
+def server(plain_server: str) -> str:
+    return plain_server
 
 
 @pytest.fixture(scope="module")
