@@ -41,6 +41,7 @@ class AttentionSpec:
     pad_page: int | None          # page that takes padding rows' K, V (capturable backends)
     native: bool = False          # CPU: use the compiled kernels (kernels.cpu) if they build
     windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full attention)
+    invariant: bool = False       # batch-invariant: every query in one fixed order of sums
 
     def planned_windows(self) -> tuple[int | None, ...]:
         """The distinct windows a plan serves: the layers' own (no layers named: full

@@ -33,12 +33,14 @@ class TorchMetadata:
 
 @define
 class NativeDecode:
-    """A decode batch for the CPU kernel: its rows of the page table (copied: the scheduler
-    edits the table while this batch runs) and their lengths."""
+    """Queries for the CPU decode kernel: their requests' rows of the page table (copied:
+    the scheduler edits the table while this batch runs), each query's row of it and
+    length. A decode batch has one query per request; a batch-invariant one, one per new
+    token."""
 
     table: torch.Tensor                   # [n, max_len] int64: KV slot of each position
-    rows: torch.Tensor                    # [n] int64: 0 .. n-1, rows of ``table``
-    lens: torch.Tensor                    # [n] int64: positions 0 .. len attended
+    rows: torch.Tensor                    # [queries] int64: each query's row of ``table``
+    lens: torch.Tensor                    # [queries] int64: positions 0 .. len attended
     max_len: int
 
 
@@ -80,6 +82,7 @@ class TorchBackend:
         self.windows = spec.planned_windows()
         self.native = None
         self.native_prefill = False
+        self.invariant = spec.invariant
         if spec.native and spec.device.type == "cpu":
             from asyncinfer.kernels.cpu import load
 
@@ -88,6 +91,9 @@ class TorchBackend:
                 self.native = kernels
                 self.native_prefill = kernels.runs_prefill(
                     spec.pool.k.dtype, spec.num_heads, spec.pool.k.shape[2], spec.head_dim)
+        if self.invariant and self.native is None:
+            raise ConfigError("batch_invariant needs the CPU decode-attention kernel "
+                              "(cpu_kernels on, a C compiler, a bf16 or float32 cache)")
 
     @classmethod
     def check(cls, device: torch.device, dtype: torch.dtype) -> None:
@@ -99,6 +105,8 @@ class TorchBackend:
         for n in batch.extend_lens:
             bounds.append((offset, offset + n))
             offset += n
+        if self.invariant:
+            return self._every_token(batch, out_loc, bounds)
         if batch.phase == "decode" and self.native is not None:
             ends = list(batch.ends)
             longest = max(ends)
@@ -130,6 +138,21 @@ class TorchBackend:
                                     torch.tensor(list(batch.extend_lens)))
         return TorchMetadata(out_loc, list(slots.split(ends)), bounds[head:],
                              list(batch.starts[head:]), [], native=native, prefill=prefill)
+
+    def _every_token(self, batch: Batch, out_loc: torch.Tensor,
+                     bounds: list[tuple[int, int]]) -> TorchMetadata:
+        """Each new token as one query of the decode kernel, at its own position: a query
+        sums over its keys in the same order whether it decodes, sits in a prefill chunk or
+        follows a cached prefix, and whatever else is in the batch."""
+        ends = list(batch.ends)
+        longest = max(ends)
+        table = self.page_table[torch.tensor(batch.rows), :longest]
+        news = torch.tensor(list(batch.extend_lens), dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(batch.size), news)
+        lens = torch.cat([torch.arange(s + 1, s + n + 1, dtype=torch.int64)
+                          for s, n in zip(batch.starts, batch.extend_lens)])
+        return TorchMetadata(out_loc, [], bounds, list(batch.starts), [],
+                             NativeDecode(table, rows, lens, longest))
 
     def _decoding_head(self, batch: Batch) -> int:
         """How many leading requests compute one token each (0 without the decode kernel)."""
@@ -191,7 +214,7 @@ class TorchBackend:
         window = full_if_wider(window, self.positions)
         if meta.native is not None:
             assert self.native is not None
-            head = meta.native.table.shape[0]
+            head = meta.native.rows.shape[0]
             out = self.native.decode_attention(
                 q[:head], k_pool, v_pool, meta.native.table, meta.native.rows,
                 meta.native.lens, self.scale, meta.native.max_len, window)

@@ -92,6 +92,8 @@ class ModelRunner:
         self.shard_config = full.sharded(self.tp.size)
         kernels = (load_cpu_kernels() if self.device.type == "cpu" and config.cpu_kernels
                    else None)
+        if config.batch_invariant:
+            check_batch_invariant(config, self.device, self.dtype, kernels)
         self.model = self._load_model(model_dir, kernels)
         return_free_heap()
         # With float32 kernels the cache holds half-precision values in float32 (exactly).
@@ -117,7 +119,8 @@ class ModelRunner:
         self.backend = backend_cls(AttentionSpec(
             self.pool, self.page_table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.attention_scale, self.dtype, self.device, self.scratch_page,
-            native=config.cpu_kernels, windows=self.model.windows))
+            native=config.cpu_kernels, windows=self.model.windows,
+            invariant=config.batch_invariant))
         if kernels is not None and kernels.runs_layer_ops(self.dtype, cfg.hidden_size,
                                                           cfg.head_dim):
             self.model.ops = LayerOps(self.model.op_names, native=kernels)
@@ -208,9 +211,11 @@ class ModelRunner:
         module.to(device=self.device, dtype=self.dtype).eval()
         if self.config.fp32_kernels:
             use_fp32_shadows(module)
-        elif self.device.type == "cpu" and can_pack(self.dtype):
+        elif self.device.type == "cpu" and (can_pack(self.dtype)
+                                            or self.config.batch_invariant):
             pack_for_cpu(module, self.config.max_running_requests,
-                         kernels if kernels is not None and kernels.products else None)
+                         kernels if kernels is not None and kernels.products else None,
+                         every_size=self.config.batch_invariant)
         return model
 
     def _pages_from_budget(self, extra_pages: int) -> int:
@@ -420,3 +425,22 @@ def cuda_kv_budget(device: torch.device, utilization: float) -> int:
             f"{total / 2**30:.1f} GiB at gpu_memory_utilization={utilization}; raise it or "
             "set kv_cache_gb")
     return budget
+
+
+def check_batch_invariant(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                          kernels: NativeKernels | None) -> None:
+    """Refuse ``batch_invariant`` where its guarantee would not hold, naming why: it needs
+    the CPU's own product kernels (AVX-512 or AMX), which multiply every row in one fixed
+    order of sums whatever the number of rows, and bf16 weights they take."""
+    if device.type != "cpu":
+        raise ConfigError("batch_invariant runs on the CPU only so far: on CUDA the "
+                          "products and attention follow the batch")
+    if kernels is None or kernels.products is None:
+        raise ConfigError("batch_invariant needs this CPU's own matrix-product kernels "
+                          "(AVX-512 or AMX, and a C compiler; cpu_kernels on): elsewhere "
+                          "products go through oneDNN, whose order of sums follows the "
+                          "number of rows")
+    if dtype != torch.bfloat16 or config.fp32_kernels:
+        raise ConfigError("batch_invariant needs a bfloat16 model computed in bfloat16 "
+                          "kernels (dtype bfloat16, cpu_fp32_compute never or a CPU with "
+                          "avx512_bf16 under auto)")

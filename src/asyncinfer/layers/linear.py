@@ -39,9 +39,11 @@ class Linear(nn.Module):
             self.weight.data = self.weight.data.new_empty(0)
 
     def pack_for_cpu(self, rows_hint: int, keep_plain: bool = True,
-                     kernels: NativeKernels | None = None, slab: Slab | None = None) -> None:
-        """Multiply through a packed copy from now on (without ``keep_plain``: it alone)."""
-        self.packed = pack_weight(self.weight, rows_hint, kernels, slab)
+                     kernels: NativeKernels | None = None, slab: Slab | None = None,
+                     every_size: bool = False) -> None:
+        """Multiply through a packed copy from now on (without ``keep_plain``: it alone;
+        with ``every_size``: at every number of rows)."""
+        self.packed = pack_weight(self.weight, rows_hint, kernels, slab, every_size)
         self.packed_rows = None if self.packed.takes_all_rows else PACKED_ROWS
         if not keep_plain:
             self.packed_rows = None
@@ -119,11 +121,13 @@ class PackedWeight:
     data: torch.Tensor
     out_features: int
     kernels: NativeKernels | None = None
+    every_size: bool = False   # batch-invariant: one kernel, so one order of sums, at any size
 
     @property
     def takes_all_rows(self) -> bool:
-        """Whether products of every size come here (our AVX-512 kernel's: faster at any size)."""
-        return self.kernels is not None and self.kernels.products == "avx512"
+        """Whether products of every size come here (our AVX-512 kernel's: faster at any size;
+        any of our kernels' with ``every_size``)."""
+        return self.kernels is not None and (self.every_size or self.kernels.products == "avx512")
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x Wᵀ + b``."""
@@ -139,11 +143,14 @@ class PackedWeight:
 
 
 def pack_weight(weight: torch.Tensor, rows_hint: int, kernels: NativeKernels | None = None,
-                slab: Slab | None = None) -> PackedWeight:
-    """``weight`` packed for ``kernels`` where they take it (into ``slab``), else for oneDNN."""
+                slab: Slab | None = None, every_size: bool = False) -> PackedWeight:
+    """``weight`` packed for ``kernels`` where they take it (into ``slab``), else for oneDNN.
+    ``every_size``: products of any number of rows go through ``kernels`` (which must take
+    it)."""
     if kernels is not None and kernels.packs(weight):
         out = None if slab is None else slab.take(weight.numel(), torch.bfloat16)
-        return PackedWeight(kernels.pack(weight, out), weight.shape[0], kernels)
+        return PackedWeight(kernels.pack(weight, out), weight.shape[0], kernels, every_size)
+    assert not every_size, f"our kernels do not take a weight of {tuple(weight.shape)}"
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint),
                         weight.shape[0])
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from asyncinfer.errors import ConfigError
 from asyncinfer.layers.fused_moe import Experts
 from asyncinfer.layers.linear import Linear, TiedHead, keeps_both_copies, pack_weight
 from asyncinfer.memory import Slab
@@ -36,10 +37,12 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def pack_for_cpu(model: nn.Module, rows_hint: int, kernels: NativeKernels | None = None) -> None:
+def pack_for_cpu(model: nn.Module, rows_hint: int, kernels: NativeKernels | None = None,
+                 every_size: bool = False) -> None:
     """Run ``model``'s matrix products through packed weights (``kernels``' where it takes
     them, else oneDNN's): beside the plain ones where memory allows, else instead of them.
-    A tied head gets its own packed copy; the embedding stays."""
+    A tied head gets its own packed copy; the embedding stays. ``every_size``: every
+    product, of any number of rows, through ``kernels`` (batch-invariant)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     heads = [m for m in model.modules() if isinstance(m, TiedHead)]
     experts = [m for m in model.modules() if isinstance(m, Experts)]
@@ -48,12 +51,23 @@ def pack_for_cpu(model: nn.Module, rows_hint: int, kernels: NativeKernels | None
                              + sum(w.nbytes for w in expert_weights))
     # Our kernels' copies side by side in huge pages: a decode step streams them all.
     weights = [m.weight for m in linears] + [h.weight for h in heads] + expert_weights
+    if every_size:
+        if experts:
+            raise ConfigError("batch_invariant does not run mixture-of-experts models yet "
+                              "(their grouped products follow the batch)")
+        odd = sorted({tuple(w.shape) for w in weights
+                      if kernels is None or not kernels.packs(w)})
+        if odd:
+            raise ConfigError(f"batch_invariant needs every weight in our kernels' layout; "
+                              f"these shapes are not (rows a multiple of 16, columns of "
+                              f"32): {odd}")
     sizes = [(w.numel(), torch.bfloat16) for w in weights
              if kernels is not None and kernels.packs(w)]
     slab = Slab(sizes) if sizes else None
     for module in linears:
-        module.pack_for_cpu(rows_hint, keep_plain=keep, kernels=kernels, slab=slab)
+        module.pack_for_cpu(rows_hint, keep_plain=keep, kernels=kernels, slab=slab,
+                            every_size=every_size)
     for head in heads:
-        head.packed = pack_weight(head.weight, rows_hint, kernels, slab)
+        head.packed = pack_weight(head.weight, rows_hint, kernels, slab, every_size)
     for block in experts:
         block.pack_for_cpu(rows_hint, keep_plain=keep, kernels=kernels, slab=slab)

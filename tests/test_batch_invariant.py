@@ -1,0 +1,159 @@
+"""The batch-invariant mode (``batch_invariant``): a request's tokens and logprobs are bit
+for bit the same alone, beside any other requests, with its prompt in chunks and after a
+prefix-cache hit, greedy and seeded, bf16 on the CPU. Where the mode cannot hold (no
+product kernels of our own on this CPU, CUDA, float32 compute), it is refused, naming it.
+
+The reference of every case is the request alone on an engine without a prefix cache; the
+engines under test keep their radix caches warm across cases, so hits of any length occur.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncinfer.api import LLM
+from asyncinfer.config import EngineConfig
+from asyncinfer.engine.runner import check_batch_invariant
+from asyncinfer.errors import ConfigError
+from asyncinfer.kernels import cpu as native
+from asyncinfer.params import SamplingParams
+
+KERNELS = native.load()
+HOLDS = KERNELS is not None and KERNELS.products is not None
+needs_kernels = pytest.mark.skipif(
+    not HOLDS, reason="the mode needs our AVX-512 or AMX product kernels; refused here")
+
+# Prompts of token ids sharing prefixes of several lengths, so that one's cached pages are
+# another's prefix; one is longer than a 512-row product (where AMX hands products to torch
+# when the mode is off) and than two 256-token chunks.
+_RNG = random.Random(36)
+_BASE = [_RNG.randint(10, 40000) for _ in range(700)]
+PROMPTS = [_BASE[:n] + [_RNG.randint(10, 40000) for _ in range(m)]
+           for n, m in ((0, 23), (40, 9), (40, 30), (72, 1), (100, 17), (0, 61), (600, 5))]
+MAX_TOKENS = 10
+
+
+def _engine(model: Path, **options: Any) -> LLM:
+    return LLM(str(model), skip_tokenizer_init=True, dtype="bfloat16", batch_invariant=True,
+               max_running_requests=8, max_seq_len=1024, **options)
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_dir: Path) -> Iterator[dict[str, LLM]]:
+    if not HOLDS:
+        pytest.skip("the mode is refused on this CPU")
+    made = {"reference": _engine(smollm2_dir, cache_type="naive"),
+            "radix": _engine(smollm2_dir),
+            "chunked": _engine(smollm2_dir, max_extend_tokens=64)}
+    try:
+        yield made
+    finally:
+        for llm in made.values():
+            llm.close()
+
+
+def _params(seed: int | None) -> SamplingParams:
+    """Greedy (``seed`` None) or seeded at temperature 1, with the sampled tokens' logprobs."""
+    if seed is None:
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                              logprobs=2)
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed,
+                          ignore_eos=True, logprobs=2)
+
+
+def _answer(output: Any) -> list[tuple[int, float, tuple[tuple[int, float], ...]]]:
+    """Each token with its logprob and top alternatives: what must be bit-identical."""
+    return [(t, lp.logprob, lp.top) for t, lp in zip(output.token_ids, output.logprobs)]
+
+
+_REFERENCE: dict[tuple[int, int | None], Any] = {}
+
+
+def _alone(engines: dict[str, LLM], prompt: int, seed: int | None) -> Any:
+    key = (prompt, seed)
+    if key not in _REFERENCE:
+        [out] = engines["reference"].generate([PROMPTS[prompt]], _params(seed), use_tqdm=False)
+        _REFERENCE[key] = _answer(out)
+    return _REFERENCE[key]
+
+
+@needs_kernels
+@settings(max_examples=14, deadline=None, derandomize=True)
+@given(target=st.integers(0, len(PROMPTS) - 1),
+       mates=st.lists(st.integers(0, len(PROMPTS) - 1), max_size=5),
+       place=st.integers(0, 5),
+       seed=st.one_of(st.none(), st.integers(0, 2**31)),
+       engine=st.sampled_from(["radix", "chunked"]))
+def test_a_request_answers_the_same_in_any_batch_chunking_and_cache_state(
+        engines: dict[str, LLM], target: int, mates: list[int], place: int,
+        seed: int | None, engine: str) -> None:
+    place = min(place, len(mates))
+    prompts = [PROMPTS[m] for m in mates]
+    prompts.insert(place, PROMPTS[target])
+    # The mates sample otherwise (other seeds, or greedy beside seeded): only the target's
+    # own sampling is shared with its reference.
+    params = [_params(None if i % 2 else 1000 + i) for i in range(len(prompts))]
+    params[place] = _params(seed)
+    outputs = engines[engine].generate(prompts, params, use_tqdm=False)
+    assert _answer(outputs[place]) == _alone(engines, target, seed)
+
+
+@needs_kernels
+def test_greedy_alone_and_beside_another_agree(engines: dict[str, LLM]) -> None:
+    llm = engines["radix"]
+    prompt = [_RNG.randint(10, 40000) for _ in range(45)]   # in no other test
+    other = [_RNG.randint(10, 40000) for _ in range(130)]
+    [alone] = llm.generate([prompt], _params(None), use_tqdm=False)
+    beside = llm.generate([prompt, other], _params(None), use_tqdm=False)
+    assert alone.cached_tokens == 0
+    assert _answer(beside[0]) == _answer(alone)
+
+
+@needs_kernels
+@pytest.mark.parametrize("temperature", [0.0, 0.05, 1.0])
+def test_a_prefix_cache_hit_answers_as_the_miss(engines: dict[str, LLM],
+                                                temperature: float) -> None:
+    llm = engines["radix"]
+    prompt = [_RNG.randint(10, 40000) for _ in range(90)]   # in no other test
+    params = SamplingParams(max_tokens=24, temperature=temperature, seed=7, ignore_eos=True,
+                            logprobs=1)
+    [miss] = llm.generate([prompt], params, use_tqdm=False)
+    [hit] = llm.generate([prompt], params, use_tqdm=False)
+    assert miss.cached_tokens == 0 and hit.cached_tokens == 80   # five whole pages
+    assert _answer(hit) == _answer(miss)
+
+
+@needs_kernels
+def test_a_long_prompt_in_chunks_answers_as_in_one(engines: dict[str, LLM]) -> None:
+    [whole] = engines["reference"].generate([PROMPTS[-1]], _params(3), use_tqdm=False)
+    chunked, _ = engines["chunked"].generate([PROMPTS[-1], PROMPTS[1]], _params(3),
+                                             use_tqdm=False)
+    assert _answer(chunked) == _answer(whole)
+
+
+@pytest.mark.skipif(HOLDS, reason="this CPU has our product kernels: the mode runs")
+def test_the_mode_is_refused_without_our_product_kernels(smollm2_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="batch_invariant needs this CPU's own"):
+        _engine(smollm2_dir)
+
+
+@pytest.mark.parametrize(("device", "dtype", "ours", "why"), [
+    ("cuda", torch.bfloat16, True, "CPU only"),
+    ("cpu", torch.bfloat16, False, "own matrix-product kernels"),
+    ("cpu", torch.float32, True, "bfloat16 model"),
+])
+def test_where_the_guarantee_would_not_hold_the_mode_is_refused(
+        device: str, dtype: torch.dtype, ours: bool, why: str) -> None:
+    if ours and device == "cpu" and not HOLDS:
+        pytest.skip("this CPU has no product kernels: refused for that first")
+    config = EngineConfig(device="cpu", dtype="bfloat16", batch_invariant=True)
+    with pytest.raises(ConfigError, match=why):
+        check_batch_invariant(config, torch.device(device), dtype, KERNELS if ours else None)
