@@ -145,15 +145,17 @@ def test_the_mode_is_refused_without_our_product_kernels(smollm2_dir: Path) -> N
         _engine(smollm2_dir)
 
 
-@pytest.mark.parametrize(("device", "dtype", "ours", "why"), [
-    ("cuda", torch.bfloat16, True, "CPU only"),
-    ("cpu", torch.bfloat16, False, "own matrix-product kernels"),
-    ("cpu", torch.float32, True, "bfloat16 model"),
+@pytest.mark.parametrize(("device", "dtype", "ours", "ranks", "why"), [
+    ("cuda", torch.bfloat16, True, 1, "CPU only"),
+    ("cpu", torch.bfloat16, False, 1, "own matrix-product kernels"),
+    ("cpu", torch.float32, True, 1, "bfloat16 model"),
+    ("cpu", torch.bfloat16, True, 4, "one or two tensor-parallel ranks"),
 ])
 def test_where_the_guarantee_would_not_hold_the_mode_is_refused(
-        device: str, dtype: torch.dtype, ours: bool, why: str) -> None:
+        device: str, dtype: torch.dtype, ours: bool, ranks: int, why: str) -> None:
     if ours and device == "cpu" and not HOLDS:
         pytest.skip("this CPU has no product kernels: refused for that first")
-    config = EngineConfig(device="cpu", dtype="bfloat16", batch_invariant=True)
+    config = EngineConfig(device="cpu", dtype="bfloat16", batch_invariant=True,
+                          tensor_parallel_size=ranks)
     with pytest.raises(ConfigError, match=why):
         check_batch_invariant(config, torch.device(device), dtype, KERNELS if ours else None)

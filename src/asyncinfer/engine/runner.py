@@ -444,3 +444,6 @@ def check_batch_invariant(config: EngineConfig, device: torch.device, dtype: tor
         raise ConfigError("batch_invariant needs a bfloat16 model computed in bfloat16 "
                           "kernels (dtype bfloat16, cpu_fp32_compute never or a CPU with "
                           "avx512_bf16 under auto)")
+    if config.tensor_parallel_size > 2:
+        raise ConfigError("batch_invariant runs on one or two tensor-parallel ranks: with "
+                          "more, the all-reduce's order of sums follows the batch's size")
