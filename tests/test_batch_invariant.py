@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from asyncinfer.api import LLM
 from asyncinfer.config import EngineConfig
-from asyncinfer.engine.runner import check_batch_invariant
+from asyncinfer.engine.runner import batch_invariant, check_batch_invariant
 from asyncinfer.errors import ConfigError
 from asyncinfer.kernels import cpu as native
 from asyncinfer.params import SamplingParams
@@ -159,3 +159,27 @@ def test_where_the_guarantee_would_not_hold_the_mode_is_refused(
                           tensor_parallel_size=ranks)
     with pytest.raises(ConfigError, match=why):
         check_batch_invariant(config, torch.device(device), dtype, KERNELS if ours else None)
+
+
+@pytest.mark.parametrize(("products", "experts", "on"), [
+    ("avx512", 0, True), ("amx", 0, False), (None, 0, False), ("avx512", 8, False)])
+def test_by_default_the_mode_is_on_where_it_holds_and_costs_nothing_measured(
+        products: str | None, experts: int, on: bool) -> None:
+    class Kernels:  # what the decision reads of the compiled kernels
+        pass
+
+    kernels = Kernels()
+    kernels.products = products  # type: ignore[attr-defined]
+    config = EngineConfig(device="cpu", dtype="bfloat16", cpu_fp32_compute="off")
+    assert batch_invariant(config, torch.device("cpu"), torch.bfloat16, kernels,  # type: ignore[arg-type]
+                           experts) is on
+    off = EngineConfig(device="cpu", dtype="bfloat16", cpu_fp32_compute="off",
+                       batch_invariant=False)
+    assert batch_invariant(off, torch.device("cpu"), torch.bfloat16, kernels,  # type: ignore[arg-type]
+                           experts) is False
+    if experts:
+        on_asked = EngineConfig(device="cpu", dtype="bfloat16", cpu_fp32_compute="off",
+                                batch_invariant=True)
+        with pytest.raises(ConfigError, match="mixture-of-experts"):
+            batch_invariant(on_asked, torch.device("cpu"), torch.bfloat16, kernels,  # type: ignore[arg-type]
+                            experts)

@@ -327,11 +327,13 @@ class EngineConfig:
                    "attention that reads K and V in place in the paged cache, the layer's "
                    "norms, rotary and SiLU in bf16, greedy argmax and structured output's "
                    "mask; off: torch's ops and xgrammar's mask")
-    batch_invariant: bool = option(
-        False, help="make each request's tokens and logprobs independent of its batch, its "
-                    "prefill chunks and the prefix cache: every product, attention and norm "
-                    "reduces in one fixed order per row (CPU with AVX-512 or AMX, bf16, "
-                    "dense models)")
+    batch_invariant: bool | None = option(
+        None, help="make each request's tokens and logprobs independent of its batch, its "
+                   "prefill chunks and the prefix cache: every product, attention and norm "
+                   "reduces in one fixed order per row (CPU with AVX-512 or AMX, bf16, dense "
+                   "models; on: refused elsewhere)",
+        means="on where it costs nothing measured: a bf16 dense model on an AVX-512 CPU "
+              "without AMX; off elsewhere")
     max_extend_tokens: int = option(4096, check=_positive,
                                     help="prefill tokens one round may compute")
     chunked_prefill: bool = option(True, help="split a prompt longer than max_extend_tokens "

@@ -33,7 +33,12 @@ from asyncinfer.kernels.cpu import load as load_cpu_kernels
 from asyncinfer.kvcache.pool import KVPool, cpu_kv_budget
 from asyncinfer.layers.fused import LayerOps
 from asyncinfer.layers.linear import can_pack
-from asyncinfer.layers.packing import pack_for_cpu, use_fp32_shadows, weight_bytes
+from asyncinfer.layers.packing import (
+    pack_for_cpu,
+    packs_every_weight,
+    use_fp32_shadows,
+    weight_bytes,
+)
 from asyncinfer.layers.rotary import RotaryEmbedding
 from asyncinfer.memory import available_memory, return_free_heap
 from asyncinfer.models import build_model, check_model
@@ -92,8 +97,8 @@ class ModelRunner:
         self.shard_config = full.sharded(self.tp.size)
         kernels = (load_cpu_kernels() if self.device.type == "cpu" and config.cpu_kernels
                    else None)
-        if config.batch_invariant:
-            check_batch_invariant(config, self.device, self.dtype, kernels)
+        self.batch_invariant = batch_invariant(config, self.device, self.dtype, kernels,
+                                               full.num_experts)
         self.model = self._load_model(model_dir, kernels)
         return_free_heap()
         # With float32 kernels the cache holds half-precision values in float32 (exactly).
@@ -120,7 +125,7 @@ class ModelRunner:
             self.pool, self.page_table, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.attention_scale, self.dtype, self.device, self.scratch_page,
             native=config.cpu_kernels, windows=self.model.windows,
-            invariant=config.batch_invariant))
+            invariant=self.batch_invariant))
         if kernels is not None and kernels.runs_layer_ops(self.dtype, cfg.hidden_size,
                                                           cfg.head_dim):
             self.model.ops = LayerOps(self.model.op_names, native=kernels)
@@ -211,11 +216,13 @@ class ModelRunner:
         module.to(device=self.device, dtype=self.dtype).eval()
         if self.config.fp32_kernels:
             use_fp32_shadows(module)
-        elif self.device.type == "cpu" and (can_pack(self.dtype)
-                                            or self.config.batch_invariant):
-            pack_for_cpu(module, self.config.max_running_requests,
-                         kernels if kernels is not None and kernels.products else None,
-                         every_size=self.config.batch_invariant)
+        elif self.device.type == "cpu" and (can_pack(self.dtype) or self.batch_invariant):
+            ours = kernels if kernels is not None and kernels.products else None
+            if (self.batch_invariant and self.config.batch_invariant is None
+                    and not packs_every_weight(module, ours)):
+                self.batch_invariant = False  # the default: on only where it holds
+            pack_for_cpu(module, self.config.max_running_requests, ours,
+                         every_size=self.batch_invariant)
         return model
 
     def _pages_from_budget(self, extra_pages: int) -> int:
@@ -427,6 +434,27 @@ def cuda_kv_budget(device: torch.device, utilization: float) -> int:
     return budget
 
 
+def batch_invariant(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                    kernels: NativeKernels | None, experts: int) -> bool:
+    """Whether the engine runs batch-invariant: ``config.batch_invariant`` if set (on:
+    checked by :func:`check_batch_invariant`); by default, where the mode holds and its cost
+    was measured as nothing (docs/benchmarks.md): bf16 on our AVX-512 products, no AMX (its
+    prefill products and attention would leave their faster paths), a dense model (weights
+    our kernels do not take turn it off later, in ``_load_model``)."""
+    if config.batch_invariant is not None:
+        if config.batch_invariant:
+            check_batch_invariant(config, device, dtype, kernels)
+            if experts:
+                raise ConfigError("batch_invariant does not run mixture-of-experts models "
+                                  "yet (their grouped products follow the batch)")
+        return config.batch_invariant
+    try:
+        check_batch_invariant(config, device, dtype, kernels)
+    except ConfigError:
+        return False
+    return kernels is not None and kernels.products == "avx512" and not experts
+
+
 def check_batch_invariant(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                           kernels: NativeKernels | None) -> None:
     """Refuse ``batch_invariant`` where its guarantee would not hold, naming why: it needs
@@ -442,8 +470,8 @@ def check_batch_invariant(config: EngineConfig, device: torch.device, dtype: tor
                           "number of rows")
     if dtype != torch.bfloat16 or config.fp32_kernels:
         raise ConfigError("batch_invariant needs a bfloat16 model computed in bfloat16 "
-                          "kernels (dtype bfloat16, cpu_fp32_compute never or a CPU with "
-                          "avx512_bf16 under auto)")
+                          "kernels (dtype bfloat16; cpu_fp32_compute off, or auto on a "
+                          "CPU with avx512_bf16)")
     if config.tensor_parallel_size > 2:
         raise ConfigError("batch_invariant runs on one or two tensor-parallel ranks: with "
                           "more, the all-reduce's order of sums follows the batch's size")

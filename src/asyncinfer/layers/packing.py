@@ -71,3 +71,12 @@ def pack_for_cpu(model: nn.Module, rows_hint: int, kernels: NativeKernels | None
         head.packed = pack_weight(head.weight, rows_hint, kernels, slab, every_size)
     for block in experts:
         block.pack_for_cpu(rows_hint, keep_plain=keep, kernels=kernels, slab=slab)
+
+
+def packs_every_weight(model: nn.Module, kernels: NativeKernels | None) -> bool:
+    """Whether ``kernels`` take every matrix product of ``model`` (no experts, every weight
+    of a shape they pack): what the batch-invariant mode needs."""
+    if kernels is None or any(isinstance(m, Experts) for m in model.modules()):
+        return False
+    weights = [m.weight for m in model.modules() if isinstance(m, (Linear, TiedHead))]
+    return all(kernels.packs(w) for w in weights)
