@@ -27,9 +27,9 @@ from asyncinfer.kernels import cpu as native
 from asyncinfer.params import SamplingParams
 
 KERNELS = native.load()
-HOLDS = KERNELS is not None and KERNELS.products is not None
+HOLDS = KERNELS is not None and KERNELS.fixed_products is not None
 needs_kernels = pytest.mark.skipif(
-    not HOLDS, reason="the mode needs our AVX-512 or AMX product kernels; refused here")
+    not HOLDS, reason="the mode needs our AVX-512, AMX or AVX2 product kernels")
 
 # Prompts of token ids sharing prefixes of several lengths, so that one's cached pages are
 # another's prefix; one is longer than a 512-row product (where AMX hands products to torch
@@ -169,7 +169,7 @@ def test_by_default_the_mode_is_on_where_it_holds_and_costs_nothing_measured(
         pass
 
     kernels = Kernels()
-    kernels.products = products  # type: ignore[attr-defined]
+    kernels.products = kernels.fixed_products = products  # type: ignore[attr-defined]
     config = EngineConfig(device="cpu", dtype="bfloat16", cpu_fp32_compute="off")
     assert batch_invariant(config, torch.device("cpu"), torch.bfloat16, kernels,  # type: ignore[arg-type]
                            experts) is on
@@ -183,3 +183,64 @@ def test_by_default_the_mode_is_on_where_it_holds_and_costs_nothing_measured(
         with pytest.raises(ConfigError, match="mixture-of-experts"):
             batch_invariant(on_asked, torch.device("cpu"), torch.bfloat16, kernels,  # type: ignore[arg-type]
                             experts)
+
+
+def _avx2_build() -> native.NativeKernels:
+    if "avx2" not in native.cpu_flags().split() or "fma" not in native.cpu_flags().split():
+        pytest.skip("needs AVX2 and FMA")
+    kernels = native.load("x86-64-v3")
+    if kernels is None:
+        pytest.skip("no C compiler for -march=x86-64-v3")
+    return kernels
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_avx2_product_sums_each_row_alike_whatever_the_rows(bias: bool) -> None:
+    """The AVX2 build's product (the mode's on an AVX2 CPU): a row's output is the same bits
+    alone and among any number of rows, near torch's bf16 linear, and, where this CPU has
+    the AVX-512 kernel, the same bits as it (both sum each pair of k by two FMAs in turn)."""
+    kernels = _avx2_build()
+    assert kernels.products is None and kernels.fixed_products == "avx2"
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(80, 96, generator=gen) * 0.1).bfloat16()
+    b = (torch.randn(80, generator=gen) * 0.1).bfloat16() if bias else None
+    packed = kernels.pack(weight)
+    x = torch.randn(150, 96, generator=gen).bfloat16()
+    whole = kernels.linear(x, packed, 80, b)
+    for rows in (1, 3, 4, 5, 17, 97):
+        assert torch.equal(kernels.linear(x[:rows], packed, 80, b), whole[:rows]), rows
+    assert torch.equal(kernels.linear(x[40:41], packed, 80, b), whole[40:41])
+    reference = torch.nn.functional.linear(x.float(), weight.float(),
+                                           None if b is None else b.float())
+    assert (whole.float() - reference).abs().max() <= 0.02 * reference.abs().max()
+    wide = native.load()
+    if wide is not None and wide.products == "avx512":
+        assert torch.equal(wide.linear(x, wide.pack(weight), 80, b), whole)
+
+
+def test_on_the_avx2_build_the_mode_holds_too(smollm2_dir: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine on the kernels built for AVX2 (what an AVX2-only CPU gets): its products
+    run on the AVX2 kernel, and a long prompt in chunks beside another request, then again
+    from the cache, answers as it does alone and whole."""
+    import asyncinfer.engine.runner as runner_module
+
+    avx2 = _avx2_build()
+    monkeypatch.setattr(runner_module, "load_cpu_kernels", lambda: avx2)
+    monkeypatch.setattr(native, "load", lambda march="native": avx2)
+    whole = _engine(smollm2_dir, cache_type="naive")
+    try:
+        products = {m.packed.kernels.fixed_products for m in whole.runner.model.modules()
+                    if getattr(m, "packed", None) is not None}
+        assert products == {"avx2"}
+        [alone] = whole.generate([PROMPTS[-1]], _params(5), use_tqdm=False)
+    finally:
+        whole.close()
+    chunked = _engine(smollm2_dir, max_extend_tokens=64)
+    try:
+        first, _ = chunked.generate([PROMPTS[-1], PROMPTS[2]], _params(5), use_tqdm=False)
+        [again] = chunked.generate([PROMPTS[-1]], _params(5), use_tqdm=False)
+    finally:
+        chunked.close()
+    assert again.cached_tokens > 0
+    assert _answer(first) == _answer(alone) == _answer(again)

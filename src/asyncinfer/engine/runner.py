@@ -214,10 +214,13 @@ class ModelRunner:
             module.to_empty(device="cpu").requires_grad_(False)
             model.load_weights(iter_safetensors(model_dir, model.rank_part))
         module.to(device=self.device, dtype=self.dtype).eval()
-        if self.config.fp32_kernels:
+        if self.config.fp32_kernels and not self.batch_invariant:
             use_fp32_shadows(module)
         elif self.device.type == "cpu" and (can_pack(self.dtype) or self.batch_invariant):
-            ours = kernels if kernels is not None and kernels.products else None
+            # The mode multiplies through our kernels, the AVX2 one included (the
+            # arithmetic of the float32 shadows: bf16 in, float32 sums, rounded once).
+            ours = kernels if kernels is not None and (
+                kernels.products or (self.batch_invariant and kernels.fixed_products)) else None
             if (self.batch_invariant and self.config.batch_invariant is None
                     and not packs_every_weight(module, ours)):
                 self.batch_invariant = False  # the default: on only where it holds
@@ -452,26 +455,26 @@ def batch_invariant(config: EngineConfig, device: torch.device, dtype: torch.dty
         check_batch_invariant(config, device, dtype, kernels)
     except ConfigError:
         return False
-    return kernels is not None and kernels.products == "avx512" and not experts
+    return (kernels is not None and kernels.products == "avx512" and not experts
+            and not config.fp32_kernels)
 
 
 def check_batch_invariant(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                           kernels: NativeKernels | None) -> None:
     """Refuse ``batch_invariant`` where its guarantee would not hold, naming why: it needs
-    the CPU's own product kernels (AVX-512 or AMX), which multiply every row in one fixed
-    order of sums whatever the number of rows, and bf16 weights they take."""
+    the CPU's own product kernels (AVX-512, AMX or AVX2), which multiply every row in one
+    fixed order of sums whatever the number of rows, and bf16 weights they take."""
     if device.type != "cpu":
         raise ConfigError("batch_invariant runs on the CPU only so far: on CUDA the "
                           "products and attention follow the batch")
-    if kernels is None or kernels.products is None:
+    if kernels is None or kernels.fixed_products is None:
         raise ConfigError("batch_invariant needs this CPU's own matrix-product kernels "
-                          "(AVX-512 or AMX, and a C compiler; cpu_kernels on): elsewhere "
-                          "products go through oneDNN, whose order of sums follows the "
-                          "number of rows")
-    if dtype != torch.bfloat16 or config.fp32_kernels:
-        raise ConfigError("batch_invariant needs a bfloat16 model computed in bfloat16 "
-                          "kernels (dtype bfloat16; cpu_fp32_compute off, or auto on a "
-                          "CPU with avx512_bf16)")
+                          "(AVX-512, AMX, or AVX2 with FMA, and a C compiler; cpu_kernels "
+                          "on): elsewhere products go through oneDNN, whose order of sums "
+                          "follows the number of rows")
+    if dtype != torch.bfloat16:
+        raise ConfigError("batch_invariant needs a bfloat16 model (dtype bfloat16): our "
+                          "product kernels take bf16 weights")
     if config.tensor_parallel_size > 2:
         raise ConfigError("batch_invariant runs on one or two tensor-parallel ranks: with "
                           "more, the all-reduce's order of sums follows the batch's size")

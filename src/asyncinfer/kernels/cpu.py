@@ -94,10 +94,15 @@ class NativeKernels:
         targets them and the kernel lets the process use them)."""
         wide = self._lib.wide_linear_built
         wide.argtypes, wide.restype = [], _INT
-        self.products: str | None = "amx" if self.amx else ("avx512" if wide() else None)
-        """Which of our kernels multiplies packed bf16 weights: "amx" (tile products),
-        "avx512" (bf16 weights widened to float32 in registers, float32 FMAs: an AVX-512
-        CPU without AMX), or None (torch's products)."""
+        built = wide()
+        self.products: str | None = "amx" if self.amx else ("avx512" if built == 1 else None)
+        """Which of our kernels multiplies packed bf16 weights by default: "amx" (tile
+        products), "avx512" (bf16 weights widened to float32 in registers, float32 FMAs: an
+        AVX-512 CPU without AMX), or None (torch's products)."""
+        self.fixed_products: str | None = self.products or ("avx2" if built == 2 else None)
+        """Which of our kernels the batch-invariant mode multiplies with: ``products``, or on
+        an AVX2 CPU with FMA "avx2" (the AVX-512 kernel's arithmetic on 8-float vectors,
+        slower there than oneDNN's, so only for the mode)."""
         self._prefill = self._bind("prefill_attention_bf16", _PREFILL_ARGS)
         built = self._lib.prefill_attention_built
         built.argtypes, built.restype = [], _INT
@@ -175,7 +180,7 @@ class NativeKernels:
     def packs(self, weight: torch.Tensor) -> bool:
         """Whether :meth:`pack` takes ``weight`` [out, in]: bf16, ``out`` a multiple of 16
         and ``in`` of 32 (whole tiles), on a build with one of our product kernels."""
-        return (self.products is not None and weight.dtype == torch.bfloat16
+        return (self.fixed_products is not None and weight.dtype == torch.bfloat16
                 and weight.dim() == 2 and weight.shape[0] % 16 == 0
                 and weight.shape[1] % 32 == 0)
 
@@ -198,7 +203,7 @@ class NativeKernels:
         """``x Wᵀ + b`` for bf16 ``x`` [rows, in] (rows may have a stride) and W packed by
         :meth:`pack`: float32 sums, rounded once to bf16."""
         rows, k = x.shape
-        assert self.products is not None
+        assert self.fixed_products is not None
         assert x.dtype == torch.bfloat16 and x.stride(1) == 1
         assert packed.numel() == out_features * k
         assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
