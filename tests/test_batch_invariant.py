@@ -244,3 +244,18 @@ def test_on_the_avx2_build_the_mode_holds_too(smollm2_dir: Path,
         chunked.close()
     assert again.cached_tokens > 0
     assert _answer(first) == _answer(alone) == _answer(again)
+
+
+@needs_kernels
+def test_under_float32_compute_the_mode_answers_as_in_bf16(engines: dict[str, LLM],
+                                                           smollm2_dir: Path) -> None:
+    """Where a CPU computes bf16 in float32 kernels (cpu_fp32_compute, the default on a CPU
+    without bf16 units), the mode multiplies through our kernels all the same and the cache
+    holds the same values in float32: the answers are the bf16 mode's, chunked or not."""
+    fp32 = _engine(smollm2_dir, cpu_fp32_compute="on", max_extend_tokens=64)
+    try:
+        for prompt in (0, len(PROMPTS) - 1):
+            [ours] = fp32.generate([PROMPTS[prompt]], _params(9), use_tqdm=False)
+            assert _answer(ours) == _alone(engines, prompt, 9)
+    finally:
+        fp32.close()
