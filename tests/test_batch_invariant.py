@@ -259,3 +259,29 @@ def test_under_float32_compute_the_mode_answers_as_in_bf16(engines: dict[str, LL
             assert _answer(ours) == _alone(engines, prompt, 9)
     finally:
         fp32.close()
+
+
+@needs_kernels
+def test_two_tensor_parallel_ranks_keep_the_mode(tiny_llama_dir: Path) -> None:
+    """Under --tp 2 (gloo between two processes), a prompt in chunks beside other requests,
+    then from the cache, answers as it does alone and whole on two ranks."""
+    options: dict[str, Any] = {"skip_tokenizer_init": True, "dtype": "bfloat16",
+                               "batch_invariant": True, "tensor_parallel_size": 2,
+                               "max_running_requests": 4, "max_seq_len": 512,
+                               "tp_guard_interval": 1}
+    rng = random.Random(2)
+    prompt = [rng.randint(2, 500) for _ in range(150)]
+    mates = [[rng.randint(2, 500) for _ in range(n)] for n in (20, 70)]
+    whole = LLM(str(tiny_llama_dir), cache_type="naive", **options)
+    try:
+        [alone] = whole.generate([prompt], _params(4), use_tqdm=False)
+    finally:
+        whole.close()
+    chunked = LLM(str(tiny_llama_dir), max_extend_tokens=32, **options)
+    try:
+        beside = chunked.generate([mates[0], prompt, mates[1]], _params(4), use_tqdm=False)
+        [again] = chunked.generate([prompt], _params(4), use_tqdm=False)
+    finally:
+        chunked.close()
+    assert again.cached_tokens > 0
+    assert _answer(beside[1]) == _answer(alone) == _answer(again)
