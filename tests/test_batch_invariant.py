@@ -86,7 +86,7 @@ def _alone(engines: dict[str, LLM], prompt: int, seed: int | None) -> Any:
 
 
 @needs_kernels
-@settings(max_examples=14, deadline=None, derandomize=True)
+@settings(max_examples=10, deadline=None, derandomize=True)
 @given(target=st.integers(0, len(PROMPTS) - 1),
        mates=st.lists(st.integers(0, len(PROMPTS) - 1), max_size=5),
        place=st.integers(0, 5),
