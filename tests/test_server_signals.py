@@ -98,3 +98,34 @@ def test_kill_9_of_a_front_leaves_no_temporary_directory(
         if proc.poll() is None:
             proc.kill()
 
+
+
+def gone_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_front_whose_server_died_before_it_ran_stops_by_itself(served_model: Path,
+                                                                 tmp_path: Path) -> None:
+    """A front that starts after its server process and the engine core are gone (kill -9
+    of the server while it spawns fronts) exits 1 instead of serving a dead core forever."""
+    import multiprocessing
+    import socket
+
+    from asyncinfer.cli import build_parser
+    from asyncinfer.ipc.messages import Addresses, CoreInfo
+    from asyncinfer.server.main import _front_process
+
+    args = build_parser().parse_args(["serve", "--model", str(served_model)])
+    info = CoreInfo(gone_pid(), "m", str(served_model), 2048, 16)
+    listener = socket.create_server(("127.0.0.1", 0))
+    front = multiprocessing.get_context("spawn").Process(
+        target=_front_process,
+        args=(args, info, Addresses(str(tmp_path)), 1, 2, listener, False, gone_pid()))
+    front.start()
+    front.join(120)
+    if front.is_alive():
+        front.kill()
+    assert front.exitcode == 1

@@ -131,7 +131,10 @@ class EngineClient(Front):
         self._send(msg.Shutdown())
 
     def on_core_exit(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (on the loop) once the core's process has exited."""
+        """Call ``callback`` (on the loop) once the core's process has exited (soon, where it
+        has already)."""
+        if self._gone is not None:
+            asyncio.get_running_loop().call_soon(callback)
         self._exit_callbacks.append(callback)
 
     def new_uid(self) -> int:

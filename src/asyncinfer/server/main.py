@@ -152,7 +152,8 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, listener: soc
             for index in range(1, workers):
                 front = spawn.Process(target=_front_process, name=f"asyncinfer-front-{index}",
                                       args=(args, info, addresses, index, workers, listener,
-                                            bool(getattr(args, "verbose", False))))
+                                            bool(getattr(args, "verbose", False)),
+                                            os.getpid()))
                 front.start()
                 processes.append(front)
             return processes[1:]
@@ -271,15 +272,17 @@ def _reap(process: Any, timeout: float) -> None:
 
 
 def _front_process(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
-                   index: int, workers: int, listener: socket.socket, verbose: bool) -> None:
-    """The entry of fronts 1 .. N-1."""
+                   index: int, workers: int, listener: socket.socket, verbose: bool,
+                   parent: int) -> None:
+    """The entry of fronts 1 .. N-1, started by the server process ``parent`` (named by
+    it: where it died before this process ran, ``os.getppid()`` would be init's)."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signals = StopSignals(FRONT_STOP_SIGNALS)
     configure_logging(verbose, f"front {index}")
     loop = new_event_loop()
     try:
         code = loop.run_until_complete(_front(args, info, addresses, index, workers, listener,
-                                              signals, parent=os.getppid()))
+                                              signals, parent=parent))
     finally:
         loop.close()
     raise SystemExit(code)
@@ -303,10 +306,6 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
     from asyncinfer.tokenizer import Tokenizer
 
     loop = asyncio.get_running_loop()
-    if starting is not None:
-        starting.set_step("loading the tokenizer")
-    tokenizer = await loop.run_in_executor(None, Tokenizer.from_pretrained, info.model_dir)
-    client = EngineClient(info, addresses, index, workers, tokenizer)
     stop = stop or asyncio.Event()
     failure: list[str] = []
 
@@ -323,11 +322,15 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
     if signals.received:
         stop.set()
     unwatch: list[Callable[[], None]] = []
+    if parent is not None:  # from the start: the server may die while this one starts
+        unwatch.append(watch_exit(parent, fail(lambda: f"the server process {parent} is gone")))
+    if starting is not None:
+        starting.set_step("loading the tokenizer")
+    tokenizer = await loop.run_in_executor(None, Tokenizer.from_pretrained, info.model_dir)
+    client = EngineClient(info, addresses, index, workers, tokenizer)
     await client.start()
     client.on_core_exit(fail(lambda: f"the engine core (pid {info.pid}) "
                                      f"{_exit_of(core)}"))
-    if parent is not None:
-        unwatch.append(watch_exit(parent, fail(lambda: f"the server process {parent} is gone")))
     children: list[SpawnProcess] = []
     runner: web.AppRunner | None = None
     try:
