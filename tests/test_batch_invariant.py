@@ -1,7 +1,8 @@
 """The batch-invariant mode (``batch_invariant``): a request's tokens and logprobs are bit
 for bit the same alone, beside any other requests, with its prompt in chunks and after a
 prefix-cache hit, greedy and seeded, bf16 on the CPU. Where the mode cannot hold (no
-product kernels of our own on this CPU, CUDA, float32 compute), it is refused, naming it.
+product kernels of our own on this CPU, float32 compute), it is refused, naming it. Its CUDA
+path: tests/test_batch_invariant_triton.py.
 
 The reference of every case is the request alone on an engine without a prefix cache; the
 engines under test keep their radix caches warm across cases, so hits of any length occur.
@@ -146,7 +147,7 @@ def test_the_mode_is_refused_without_our_product_kernels(smollm2_dir: Path) -> N
 
 
 @pytest.mark.parametrize(("device", "dtype", "ours", "ranks", "why"), [
-    ("cuda", torch.bfloat16, True, 1, "CPU only"),
+    ("mps", torch.bfloat16, True, 1, "runs on CPUs and CUDA GPUs"),
     ("cpu", torch.bfloat16, False, 1, "own matrix-product kernels"),
     ("cpu", torch.float32, True, 1, "bfloat16 model"),
     ("cpu", torch.bfloat16, True, 4, "one or two tensor-parallel ranks"),

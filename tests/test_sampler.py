@@ -287,3 +287,24 @@ def test_extreme_values_sample_beside_others_and_tiny_temperatures_take_the_argm
     for i in (0, 3, 5):  # the same whatever shares the batch
         assert tokens[i] == Sampler(2).sample(logits[i : i + 1], params[i : i + 1], [i])[0]
     assert ((tokens >= 0) & (tokens < vocab)).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), k=st.integers(0, 40),
+       p=st.floats(0.05, 1.0), m=st.floats(0.0, 0.5))
+def test_filters_keep_the_same_tokens_with_their_weights_unscaled(seed: int, k: int, p: float,
+                                                                  m: float) -> None:
+    """The batch-invariant mode's filters (``scale=False``, no sum over the row): top-k, then
+    top-p over what top-k kept, then min-p keep exactly the tokens the scaled chain keeps, in
+    the same proportions."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(3, 64, generator=gen) * 3, dim=-1)
+    chains = []
+    for scale in (True, False):
+        out = apply_top_k(probs, torch.tensor([k, 5, 64]), scale)
+        out = apply_top_p(out, torch.tensor([p, 0.5, 1.0], dtype=torch.float64), scale)
+        chains.append(apply_min_p(out, torch.tensor([m, 0.0, 0.1], dtype=torch.float64),
+                                  scale))
+    scaled, unscaled = chains
+    assert torch.equal(scaled > 0, unscaled > 0)
+    torch.testing.assert_close(unscaled / unscaled.sum(-1, keepdim=True), scaled)

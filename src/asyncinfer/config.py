@@ -330,10 +330,10 @@ class EngineConfig:
     batch_invariant: bool | None = option(
         None, help="make each request's tokens and logprobs independent of its batch, its "
                    "prefill chunks and the prefix cache: every product, attention and norm "
-                   "reduces in one fixed order per row (CPU with AVX-512 or AMX, bf16, dense "
-                   "models; on: refused elsewhere)",
+                   "reduces in one fixed order per row (bf16 on a CPU with AVX-512, AMX or "
+                   "AVX2, or CUDA through Triton; dense models; on: refused elsewhere)",
         means="on where it costs nothing measured: a bf16 dense model on an AVX-512 CPU "
-              "without AMX; off elsewhere")
+              "without AMX; off elsewhere (CUDA included)")
     max_extend_tokens: int = option(4096, check=_positive,
                                     help="prefill tokens one round may compute")
     chunked_prefill: bool = option(True, help="split a prompt longer than max_extend_tokens "
@@ -415,6 +415,8 @@ class EngineConfig:
         """The backend "auto" stands for here: flashinfer on CUDA when importable."""
         if self.attention_backend != "auto":
             return self.attention_backend
+        if self.batch_invariant and self.is_cuda:  # its attention kernel is the torch one's
+            return "torch"
         import torch
 
         if (self.is_cuda and self.torch_dtype != torch.float32

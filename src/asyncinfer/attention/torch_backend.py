@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 from attrs import define
@@ -16,6 +16,10 @@ from asyncinfer.attention.base import AttentionSpec, GraphShape, full_if_wider
 from asyncinfer.attention.host_to_device import upload
 from asyncinfer.core import Batch
 from asyncinfer.errors import ConfigError
+from asyncinfer.kernels import triton_invariant
+
+if TYPE_CHECKING:
+    from asyncinfer.kernels.cpu import NativeKernels
 
 
 @define
@@ -80,7 +84,7 @@ class TorchBackend:
         self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
         self.positions = spec.page_table.shape[1]
         self.windows = spec.planned_windows()
-        self.native = None
+        self.native: NativeKernels | None = None
         self.native_prefill = False
         self.invariant = spec.invariant
         if spec.native and spec.device.type == "cpu":
@@ -91,9 +95,10 @@ class TorchBackend:
                 self.native = kernels
                 self.native_prefill = kernels.runs_prefill(
                     spec.pool.k.dtype, spec.num_heads, spec.pool.k.shape[2], spec.head_dim)
+        # What attends NativeDecode queries: the CPU kernel, else (batch-invariant) Triton's.
+        self.decoder: DecodeAttention | None = self.native
         if self.invariant and self.native is None:
-            raise ConfigError("batch_invariant needs the CPU decode-attention kernel "
-                              "(cpu_kernels on, a C compiler, a bf16 or float32 cache)")
+            self.decoder = _triton_attention(spec.device)
 
     @classmethod
     def check(cls, device: torch.device, dtype: torch.dtype) -> None:
@@ -151,6 +156,7 @@ class TorchBackend:
         rows = torch.repeat_interleave(torch.arange(batch.size), news)
         lens = torch.cat([torch.arange(s + 1, s + n + 1, dtype=torch.int64)
                           for s, n in zip(batch.starts, batch.extend_lens)])
+        table, rows, lens = (upload(t, self.device) for t in (table, rows, lens))
         return TorchMetadata(out_loc, [], bounds, list(batch.starts), [],
                              NativeDecode(table, rows, lens, longest))
 
@@ -213,9 +219,9 @@ class TorchBackend:
         out_dtype, dtype = q.dtype, k_pool.dtype
         window = full_if_wider(window, self.positions)
         if meta.native is not None:
-            assert self.native is not None
+            assert self.decoder is not None
             head = meta.native.rows.shape[0]
-            out = self.native.decode_attention(
+            out = self.decoder.decode_attention(
                 q[:head], k_pool, v_pool, meta.native.table, meta.native.rows,
                 meta.native.lens, self.scale, meta.native.max_len, window)
             out = out.view(head, -1).to(out_dtype)
@@ -278,6 +284,30 @@ class TorchBackend:
                 scale=self.scale, enable_gqa=True)
             outs.append(out.squeeze(0).transpose(0, 1).reshape(n, -1))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+class DecodeAttention(Protocol):
+    """What attends NativeDecode queries (``NativeKernels.decode_attention``'s contract)."""
+
+    def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+                         scale: float, max_len: int, window: int | None = None
+                         ) -> torch.Tensor: ...
+
+
+class _TritonAttention:
+    """The batch-invariant mode's attention off the CPU: ``decode_attention`` as the CPU
+    kernels' (``kernels.triton_invariant``)."""
+
+    def __init__(self) -> None:
+        self.decode_attention = triton_invariant.decode_attention
+
+
+def _triton_attention(device: torch.device) -> _TritonAttention:
+    if not triton_invariant.available(device):
+        raise ConfigError("batch_invariant needs the CPU decode-attention kernel (cpu_kernels "
+                          "on, a C compiler, a bf16 or float32 cache) or, on CUDA, triton")
+    return _TritonAttention()
 
 
 _MAX_GROUPS = 4     # padded SDPA calls per decode layer at most

@@ -26,17 +26,19 @@ from asyncinfer.core import Batch, ForwardOutput, TopLogprobs
 from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.engine.cuda_graph import CudaGraphs, Graph
 from asyncinfer.engine.grammar import Grammars
-from asyncinfer.engine.sampler import Sampler, device_tensor, raw_logprobs, top_logprobs
+from asyncinfer.engine.sampler import Sampler, device_tensor, top_logprobs
 from asyncinfer.errors import ConfigError
+from asyncinfer.kernels import triton_invariant
 from asyncinfer.kernels.cpu import NativeKernels
 from asyncinfer.kernels.cpu import load as load_cpu_kernels
 from asyncinfer.kvcache.pool import KVPool, cpu_kv_budget
-from asyncinfer.layers.fused import LayerOps
+from asyncinfer.layers.fused import INVARIANT_NORMS, LayerOps
 from asyncinfer.layers.linear import can_pack
 from asyncinfer.layers.packing import (
     pack_for_cpu,
     packs_every_weight,
     use_fp32_shadows,
+    use_product,
     weight_bytes,
 )
 from asyncinfer.layers.rotary import RotaryEmbedding
@@ -100,6 +102,11 @@ class ModelRunner:
         self.batch_invariant = batch_invariant(config, self.device, self.dtype, kernels,
                                                full.num_experts)
         self.model = self._load_model(model_dir, kernels)
+        # Off the CPU, the mode's own Triton kernels: products, norms, attention, softmax.
+        triton_invariant = self.batch_invariant and triton_invariant_path(self.device)
+        if triton_invariant and self.model.op_names.norm not in INVARIANT_NORMS:
+            raise ConfigError(f"batch_invariant has no kernel for the norm "
+                              f"{self.model.op_names.norm!r} of this model")
         return_free_heap()
         # With float32 kernels the cache holds half-precision values in float32 (exactly).
         self.kv_dtype = torch.float32 if config.fp32_kernels else self.dtype
@@ -110,7 +117,9 @@ class ModelRunner:
         self.scratch_page = self.num_pages if backend_cls.capturable else None
         self.pool = KVPool(cfg.num_layers, self.num_pages + extra_pages, page,
                            cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
-        if config.compiles:
+        if triton_invariant:  # nothing compiled: elementwise torch around our kernels
+            self.model.ops = LayerOps(self.model.op_names, invariant=True)
+        elif config.compiles:
             logger.info("compiling the fused layer ops and the sampler with torch.compile")
             compile_start = time.perf_counter()
             self.compile_layer_ops()
@@ -130,10 +139,11 @@ class ModelRunner:
                                                           cfg.head_dim):
             self.model.ops = LayerOps(self.model.op_names, native=kernels)
         self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device,
-                               argmax=None if kernels is None else kernels.argmax)
+                               argmax=None if kernels is None else kernels.argmax,
+                               invariant=triton_invariant)
         self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
         self.grammars = Grammars(model_dir, self.model_config.vocab_size, native=kernels)
-        if config.compiles:
+        if config.compiles and not triton_invariant:
             logger.info("compiled with torch.compile in %.1f s",
                         time.perf_counter() - compile_start)
         self.stream: torch.cuda.Stream | None = None
@@ -214,7 +224,9 @@ class ModelRunner:
             module.to_empty(device="cpu").requires_grad_(False)
             model.load_weights(iter_safetensors(model_dir, model.rank_part))
         module.to(device=self.device, dtype=self.dtype).eval()
-        if self.config.fp32_kernels and not self.batch_invariant:
+        if self.batch_invariant and triton_invariant_path(self.device):
+            use_product(module, triton_invariant.linear)
+        elif self.config.fp32_kernels and not self.batch_invariant:
             use_fp32_shadows(module)
         elif self.device.type == "cpu" and (can_pack(self.dtype) or self.batch_invariant):
             # The mode multiplies through our kernels, the AVX2 one included (the
@@ -301,7 +313,8 @@ class ModelRunner:
                 k = max(p.prompt_logprobs or 0 for p, n in zip(batch.params, batch.scored)
                         if n)
                 prompt_logprobs = TopLogprobs(*top_logprobs(
-                    raw_logprobs(scored_logits), self.token_pool.view(-1)[targets], k))
+                    self.sampler.log_softmax(scored_logits), self.token_pool.view(-1)[targets],
+                    k))
         else:
             logits = self._replay(batch, host, graph, computing)
         # Before sampling: the raw distribution, whatever the sampler does to the logits.
@@ -311,7 +324,7 @@ class ModelRunner:
         if wanted:
             if len(wanted) < batch.size:
                 index = device_tensor(wanted, torch.int64, self.device)
-            raw = raw_logprobs(logits if index is None else logits[index])
+            raw = self.sampler.log_softmax(logits if index is None else logits[index])
         adjusted = self.sampler.adjust(logits, batch, self.token_pool)
         constrained = self.grammars.constrained(batch)
         if constrained:
@@ -459,14 +472,33 @@ def batch_invariant(config: EngineConfig, device: torch.device, dtype: torch.dty
             and not config.fp32_kernels)
 
 
+def triton_invariant_path(device: torch.device) -> bool:
+    """Whether the batch-invariant mode runs through its Triton kernels
+    (``kernels.triton_invariant``) on ``device``: on CUDA; the CPU has its own."""
+    return device.type == "cuda"
+
+
 def check_batch_invariant(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                           kernels: NativeKernels | None) -> None:
-    """Refuse ``batch_invariant`` where its guarantee would not hold, naming why: it needs
-    the CPU's own product kernels (AVX-512, AMX or AVX2), which multiply every row in one
-    fixed order of sums whatever the number of rows, and bf16 weights they take."""
+    """Refuse ``batch_invariant`` where its guarantee would not hold, naming why. On CUDA it
+    needs Triton, for its own kernels, and the attention they implement; on a CPU the CPU's
+    own product kernels (AVX-512, AMX or AVX2), which multiply every row in one fixed order
+    of sums whatever the number of rows, and bf16 weights they take. Past two
+    tensor-parallel ranks the all-reduce's order follows the batch, anywhere."""
+    if config.tensor_parallel_size > 2:
+        raise ConfigError("batch_invariant runs on one or two tensor-parallel ranks: with "
+                          "more, the all-reduce's order of sums follows the batch's size")
+    if triton_invariant_path(device):
+        if not triton_invariant.available(device):
+            raise ConfigError("batch_invariant on CUDA needs triton (pip install triton): "
+                              "its products, norms and attention are Triton kernels")
+        if config.attention_backend == "flashinfer":
+            raise ConfigError("batch_invariant attends through its own kernel (attention_"
+                              "backend torch or auto): flashinfer's split of the keys "
+                              "follows the batch")
+        return
     if device.type != "cpu":
-        raise ConfigError("batch_invariant runs on the CPU only so far: on CUDA the "
-                          "products and attention follow the batch")
+        raise ConfigError(f"batch_invariant runs on CPUs and CUDA GPUs, not {device.type}")
     if kernels is None or kernels.fixed_products is None:
         raise ConfigError("batch_invariant needs this CPU's own matrix-product kernels "
                           "(AVX-512, AMX, or AVX2 with FMA, and a C compiler; cpu_kernels "
@@ -475,6 +507,3 @@ def check_batch_invariant(config: EngineConfig, device: torch.device, dtype: tor
     if dtype != torch.bfloat16:
         raise ConfigError("batch_invariant needs a bfloat16 model (dtype bfloat16): our "
                           "product kernels take bf16 weights")
-    if config.tensor_parallel_size > 2:
-        raise ConfigError("batch_invariant runs on one or two tensor-parallel ranks: with "
-                          "more, the all-reduce's order of sums follows the batch's size")

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from asyncinfer.attention.host_to_device import upload
 from asyncinfer.core import Batch
+from asyncinfer.kernels import triton_invariant
 from asyncinfer.layers import triton_ops
 from asyncinfer.layers.fused import WARM_UP_ROWS, compiled, dynamic_rows
 from asyncinfer.params import SamplingParams
@@ -18,25 +19,30 @@ from asyncinfer.params import SamplingParams
 _MASK64 = (1 << 64) - 1
 
 
-def _renormalize(probs: Tensor, keep: Tensor, off: Tensor) -> Tensor:
+def _renormalize(probs: Tensor, keep: Tensor, off: Tensor, scale: bool = True) -> Tensor:
     kept = probs * keep
+    if not scale:  # the race draws the same tokens from unscaled weights
+        return torch.where(off.unsqueeze(-1), probs, kept)
     renormed = kept / kept.sum(dim=-1, keepdim=True)
     # Rows with the filter off stay bit-identical: no row's filter moves another's draw.
     return torch.where(off.unsqueeze(-1), probs, renormed)
 
 
-def apply_top_k(probs: Tensor, top_k: Tensor) -> Tensor:
-    """Keep t iff fewer than k tokens are more probable (ties kept); ``k <= 0``, ``k >= V``: off."""
+def apply_top_k(probs: Tensor, top_k: Tensor, scale: bool = True) -> Tensor:
+    """Keep t iff fewer than k tokens are more probable (ties kept); ``k <= 0``, ``k >= V``: off.
+    Without ``scale`` the kept weights are not divided by their sum (as for the filters
+    below)."""
     vocab = probs.shape[-1]
     top_k = top_k.to(device=probs.device, dtype=torch.int64)
     off = (top_k <= 0) | (top_k >= vocab)
     descending = probs.sort(dim=-1, descending=True).values
     kth = descending.gather(-1, (top_k.clamp(1, vocab) - 1).unsqueeze(-1))
-    return _renormalize(probs, probs >= kth, off)
+    return _renormalize(probs, probs >= kth, off, scale)
 
 
-def apply_top_p(probs: Tensor, top_p: Tensor) -> Tensor:
-    """Keep t iff the mass of tokens more probable than t is < p; ``p >= 1``: off."""
+def apply_top_p(probs: Tensor, top_p: Tensor, scale: bool = True) -> Tensor:
+    """Keep t iff the mass of tokens more probable than t is < p; ``p >= 1``: off. Without
+    ``scale``, ``probs`` may be weights of any total (mass is then a share of it)."""
     top_p = top_p.to(device=probs.device, dtype=torch.float64)
     off = top_p >= 1.0
     wide = probs.double()  # float64 sums keep the mass within ~1e-15 of the exact one
@@ -45,16 +51,18 @@ def apply_top_p(probs: Tensor, top_p: Tensor) -> Tensor:
     suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :1])], dim=-1)
     first_greater = torch.searchsorted(ascending, wide, right=True)
     greater_mass = suffix.gather(-1, first_greater)
-    return _renormalize(probs, greater_mass < top_p.unsqueeze(-1), off)
+    # Unscaled weights (an earlier filter's): p of their total, the scan's first sum.
+    bound = top_p.unsqueeze(-1) if scale else top_p.unsqueeze(-1) * suffix[:, :1]
+    return _renormalize(probs, greater_mass < bound, off, scale)
 
 
-def apply_min_p(probs: Tensor, min_p: Tensor) -> Tensor:
+def apply_min_p(probs: Tensor, min_p: Tensor, scale: bool = True) -> Tensor:
     """Keep t iff ``p_t >= min_p * max_u p_u`` (in float64); ``min_p <= 0``: off."""
     min_p = min_p.to(device=probs.device, dtype=torch.float64)
     off = min_p <= 0.0
     wide = probs.double()
     threshold = min_p.unsqueeze(-1) * wide.max(dim=-1, keepdim=True).values
-    return _renormalize(probs, wide >= threshold, off)
+    return _renormalize(probs, wide >= threshold, off, scale)
 
 
 def device_tensor(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
@@ -162,12 +170,20 @@ class Sampler:
 
     def __init__(self, seed: int = 0, compile: bool = False, backend: str = "inductor",
                  device: torch.device | None = None,
-                 argmax: Callable[[Tensor], Tensor] | None = None) -> None:
+                 argmax: Callable[[Tensor], Tensor] | None = None,
+                 invariant: bool = False) -> None:
         # What ``min_tokens`` holds back besides stop_token_ids: the scheduler's EOS ids.
         self.eos_token_ids: frozenset[int] = frozenset()
         self._keys = np.random.Generator(np.random.PCG64(seed & _MASK64))
         self._argmax = argmax or _argmax
         self._race: Callable[[Tensor, Tensor, Tensor], Tensor] = race
+        # Batch-invariant (on CUDA, where torch's sums over a row may split it by the
+        # batch's size): each row's softmax in one fixed order, and the filters' kept
+        # weights left unscaled, so that no sum over the row is taken at all.
+        self.invariant = invariant
+        self.log_softmax: Callable[[Tensor], Tensor] = raw_logprobs
+        if invariant:
+            self.log_softmax = triton_invariant.log_softmax
         if compile and device is not None and triton_ops.available(device, "race"):
             self._race = triton_ops.race
         elif compile:
@@ -278,17 +294,21 @@ class Sampler:
         """Probabilities after temperature and filters (``params``: sampled rows only)."""
         device, vocab = logits.device, logits.shape[-1]
         temperature = device_tensor([p.temperature for p in params], torch.float32, device)
-        probs = torch.softmax(logits / temperature.unsqueeze(-1), dim=-1)
+        if self.invariant:
+            probs = triton_invariant.softmax(logits, 1.0 / temperature)
+        else:
+            probs = torch.softmax(logits / temperature.unsqueeze(-1), dim=-1)
+        scale = not self.invariant
         if any(0 < p.top_k < vocab for p in params):
             # A top_k beyond the vocabulary means off: clamped, it also fits any int tensor.
             top_k = [min(p.top_k, vocab) for p in params]
-            probs = apply_top_k(probs, device_tensor(top_k, torch.int64, device))
+            probs = apply_top_k(probs, device_tensor(top_k, torch.int64, device), scale)
         if any(p.top_p < 1.0 for p in params):
             top_p = device_tensor([p.top_p for p in params], torch.float64, device)
-            probs = apply_top_p(probs, top_p)
+            probs = apply_top_p(probs, top_p, scale)
         if any(p.min_p > 0.0 for p in params):
             min_p = device_tensor([p.min_p for p in params], torch.float64, device)
-            probs = apply_min_p(probs, min_p)
+            probs = apply_min_p(probs, min_p, scale)
         return probs
 
 

@@ -1,1 +1,2 @@
-"""Kernels of our own, built for the machine they run on (``cpu``: C compiled at first use)."""
+"""Kernels of our own: ``cpu``, C built for the machine it runs on (compiled at first use);
+``triton_invariant``, the batch-invariant mode's Triton kernels for CUDA."""

@@ -10,6 +10,7 @@ import torch
 from attrs import frozen
 from torch.nn import functional as F
 
+from asyncinfer.kernels import triton_invariant
 from asyncinfer.kvcache.pool import store_kv
 from asyncinfer.layers import triton_ops
 
@@ -170,6 +171,26 @@ QK_NORM_ROPE_STORES: Mapping[str, Op] = {
 """The q/k norm, rotary and KV store by norm variant (q and k take the model's norm)."""
 
 
+INVARIANT_NORMS: Mapping[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "rms": (triton_invariant.rms_norm, triton_invariant.add_rms_norm),
+    "offset_rms": (triton_invariant.offset_rms_norm, triton_invariant.add_offset_rms_norm),
+}
+"""The batch-invariant mode's norms on CUDA (Triton, one order of sums per row), by variant."""
+
+
+def invariant_qk_norm_rope_store(norm: Callable[[Tensor, Tensor, float], Tensor]
+                                 ) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    """``qk_norm_rope_store`` with ``norm`` on q's and k's heads; the rest is elementwise."""
+    def store(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None,
+              k_weight: Tensor | None, eps: float, heads: int, kv_heads: int, head_dim: int,
+              k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = qk_norm_rope(qkv, cos, sin, q_weight, k_weight, eps, heads, kv_heads,
+                               head_dim, norm=norm)
+        store_kv(k_cache, v_cache, slots, k, v)
+        return q, k, v
+    return store
+
+
 @frozen
 class OpNames:
     """The elementwise ops a model chooses: its activation and its norm variant."""
@@ -196,14 +217,20 @@ class WarmUpArgs:
 
 class LayerOps:
     """The ops a layer calls (``norm``, ``add_norm``, ``qk_norm_rope_store``, ``act``):
-    C where ``native`` has them, else Triton when compiled where it runs, else torch."""
+    C where ``native`` has them, else Triton when compiled where it runs, else torch;
+    ``invariant``: the batch-invariant mode's Triton norms and eager torch for the rest."""
 
     def __init__(self, names: OpNames | None = None, compile: bool = False,
                  backend: str = "inductor", device: torch.device | None = None,
-                 native: NativeKernels | None = None) -> None:
+                 native: NativeKernels | None = None, invariant: bool = False) -> None:
         names = names or OpNames()
-        self.names, self.compiled = names, compile
+        self.names, self.compiled = names, compile and not invariant
         self.triton = compile and device is not None and triton_ops.available(device, "rope")
+        if invariant:
+            self.norm, self.add_norm = INVARIANT_NORMS[names.norm]
+            self.qk_norm_rope_store = invariant_qk_norm_rope_store(self.norm)
+            self.act = ACTIVATIONS[names.activation].torch
+            return
         norm, add_norm = NORMS[names.norm]
         self.norm = self._pick(norm, backend, native)
         self.add_norm = self._pick(add_norm, backend, native)

@@ -4,6 +4,7 @@ matrix products'."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +19,9 @@ if TYPE_CHECKING:
 PACKED_ROWS = 512
 """Products of at most this many rows use the packed weight (larger: torch's own path)."""
 
+Product = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""``(x, W, b) -> x Wᵀ + b``: a matrix product that replaces torch's (``Linear.product``)."""
+
 
 class Linear(nn.Module):
     """y = x Wᵀ + b, optionally through a float32 shadow or a packed copy of W."""
@@ -29,6 +33,7 @@ class Linear(nn.Module):
         self.shadow: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.packed: PackedWeight | None = None
         self.packed_rows: int | None = None  # above this many rows, the plain weight
+        self.product: Product | None = None  # every product through it (batch-invariant)
 
     def use_fp32_shadow(self) -> None:
         """Multiply in float32 from now on, through a float32 copy that replaces W (call
@@ -50,6 +55,8 @@ class Linear(nn.Module):
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.product is not None:
+            return self.product(x, self.weight, self.bias)
         if self.packed is not None and (self.packed_rows is None
                                         or x.shape[0] <= self.packed_rows):
             return self.packed(x, self.bias)
@@ -86,6 +93,7 @@ class TiedHead(nn.Module):
         object.__setattr__(self, "embedding", embedding)  # a reference, not a submodule
         self.shadow: torch.Tensor | None = None
         self.packed: PackedWeight | None = None
+        self.product: Product | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -96,6 +104,8 @@ class TiedHead(nn.Module):
         self.shadow = self.weight.detach().float()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.product is not None:
+            return self.product(hidden, self.weight, None)
         if self.packed is not None and (hidden.shape[0] <= PACKED_ROWS
                                         or self.packed.takes_all_rows):
             return self.packed(hidden)

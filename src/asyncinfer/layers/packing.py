@@ -1,4 +1,5 @@
-"""Passes over a model's Linear modules: float32 shadows, or packed copies for this CPU."""
+"""Passes over a model's Linear modules: float32 shadows, packed copies for this CPU, or
+another product for every one of them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from asyncinfer.errors import ConfigError
 from asyncinfer.layers.fused_moe import Experts
-from asyncinfer.layers.linear import Linear, TiedHead, keeps_both_copies, pack_weight
+from asyncinfer.layers.linear import Linear, Product, TiedHead, keeps_both_copies, pack_weight
 from asyncinfer.memory import Slab
 
 if TYPE_CHECKING:
@@ -21,6 +22,14 @@ def use_fp32_shadows(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Linear | TiedHead | Experts):
             module.use_fp32_shadow()
+
+
+def use_product(model: nn.Module, product: Product) -> None:
+    """Run every matrix product of ``model`` through ``product`` (experts: refused by the
+    caller, which knows why)."""
+    for module in model.modules():
+        if isinstance(module, Linear | TiedHead):
+            module.product = product
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -52,9 +61,7 @@ def pack_for_cpu(model: nn.Module, rows_hint: int, kernels: NativeKernels | None
     # Our kernels' copies side by side in huge pages: a decode step streams them all.
     weights = [m.weight for m in linears] + [h.weight for h in heads] + expert_weights
     if every_size:
-        if experts:
-            raise ConfigError("batch_invariant does not run mixture-of-experts models yet "
-                              "(their grouped products follow the batch)")
+        assert not experts, "the batch-invariant mode refuses experts before loading"
         odd = sorted({tuple(w.shape) for w in weights
                       if kernels is None or not kernels.packs(w)})
         if odd:
