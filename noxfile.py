@@ -89,7 +89,9 @@ def tests(session: nox.Session) -> None:
     """The CPU test suite (GPU tests skip themselves).
 
     A part: `nox -s tests -- tests/test_x.py -k name`, or `nox -s tests -- -m "not slow"`."""
-    _in_shared(session, "pytest", "-q", "-p", "no:cacheprovider",
+    # The slowest tests are listed at the end: the whole CI run should stay under 25 minutes
+    # on 2 cores.
+    _in_shared(session, "pytest", "-q", "-p", "no:cacheprovider", "--durations=25",
                *_pytest_args(["tests", *PLUGIN_TESTS], session.posargs))
 
 
