@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from asyncinfer.api import LLM
 from asyncinfer.config import EngineConfig
-from asyncinfer.engine.runner import batch_invariant, check_batch_invariant
+from asyncinfer.engine.invariant import batch_invariant, check_batch_invariant
 from asyncinfer.errors import ConfigError
 from asyncinfer.kernels import cpu as native
 from asyncinfer.params import SamplingParams

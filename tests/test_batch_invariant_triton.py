@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from asyncinfer.config import EngineConfig
-from asyncinfer.engine.runner import check_batch_invariant
+from asyncinfer.engine.invariant import check_batch_invariant
 from asyncinfer.errors import ConfigError
 from asyncinfer.kernels import triton_invariant as ti
 

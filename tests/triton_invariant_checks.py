@@ -150,12 +150,15 @@ def check_engine(model_dir: Path) -> None:
     logprobs bit for bit the same alone, beside others, in chunks and after a cache hit,
     greedy and seeded at temperature 1 (top-p too)."""
     from asyncinfer.api import LLM
-    from asyncinfer.engine import runner as runner_module
+    from asyncinfer.engine import invariant, runner
     from asyncinfer.kernels import triton_invariant
     from asyncinfer.params import SamplingParams
     from tests.hf_reference import hf_greedy, load_hf
 
-    runner_module.triton_invariant_path = lambda device: True  # as on CUDA
+    def on_cuda(device: torch.device) -> bool:
+        return True  # as on CUDA
+
+    invariant.triton_invariant_path = runner.triton_invariant_path = on_cuda
 
     def engine(dtype: str, **options: object) -> LLM:
         return LLM(str(model_dir), skip_tokenizer_init=True, dtype=dtype, cpu_kernels=False,

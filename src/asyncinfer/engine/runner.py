@@ -26,6 +26,7 @@ from asyncinfer.core import Batch, ForwardOutput, TopLogprobs
 from asyncinfer.distributed.parallel import TensorParallel
 from asyncinfer.engine.cuda_graph import CudaGraphs, Graph
 from asyncinfer.engine.grammar import Grammars
+from asyncinfer.engine.invariant import batch_invariant, triton_invariant_path
 from asyncinfer.engine.sampler import Sampler, device_tensor, top_logprobs
 from asyncinfer.errors import ConfigError
 from asyncinfer.kernels import triton_invariant
@@ -103,8 +104,8 @@ class ModelRunner:
                                                full.num_experts)
         self.model = self._load_model(model_dir, kernels)
         # Off the CPU, the mode's own Triton kernels: products, norms, attention, softmax.
-        triton_invariant = self.batch_invariant and triton_invariant_path(self.device)
-        if triton_invariant and self.model.op_names.norm not in INVARIANT_NORMS:
+        on_triton = self.batch_invariant and triton_invariant_path(self.device)
+        if on_triton and self.model.op_names.norm not in INVARIANT_NORMS:
             raise ConfigError(f"batch_invariant has no kernel for the norm "
                               f"{self.model.op_names.norm!r} of this model")
         return_free_heap()
@@ -117,7 +118,7 @@ class ModelRunner:
         self.scratch_page = self.num_pages if backend_cls.capturable else None
         self.pool = KVPool(cfg.num_layers, self.num_pages + extra_pages, page,
                            cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
-        if triton_invariant:  # nothing compiled: elementwise torch around our kernels
+        if on_triton:  # nothing compiled: elementwise torch around our kernels
             self.model.ops = LayerOps(self.model.op_names, invariant=True)
         elif config.compiles:
             logger.info("compiling the fused layer ops and the sampler with torch.compile")
@@ -140,10 +141,10 @@ class ModelRunner:
             self.model.ops = LayerOps(self.model.op_names, native=kernels)
         self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device,
                                argmax=None if kernels is None else kernels.argmax,
-                               invariant=triton_invariant)
+                               invariant=on_triton)
         self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
         self.grammars = Grammars(model_dir, self.model_config.vocab_size, native=kernels)
-        if config.compiles and not triton_invariant:
+        if config.compiles and not on_triton:
             logger.info("compiled with torch.compile in %.1f s",
                         time.perf_counter() - compile_start)
         self.stream: torch.cuda.Stream | None = None
@@ -448,62 +449,3 @@ def cuda_kv_budget(device: torch.device, utilization: float) -> int:
             f"{total / 2**30:.1f} GiB at gpu_memory_utilization={utilization}; raise it or "
             "set kv_cache_gb")
     return budget
-
-
-def batch_invariant(config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                    kernels: NativeKernels | None, experts: int) -> bool:
-    """Whether the engine runs batch-invariant: ``config.batch_invariant`` if set (on:
-    checked by :func:`check_batch_invariant`); by default, where the mode holds and its cost
-    was measured as nothing (docs/benchmarks.md): bf16 on our AVX-512 products, no AMX (its
-    prefill products and attention would leave their faster paths), a dense model (weights
-    our kernels do not take turn it off later, in ``_load_model``)."""
-    if config.batch_invariant is not None:
-        if config.batch_invariant:
-            check_batch_invariant(config, device, dtype, kernels)
-            if experts:
-                raise ConfigError("batch_invariant does not run mixture-of-experts models "
-                                  "yet (their grouped products follow the batch)")
-        return config.batch_invariant
-    try:
-        check_batch_invariant(config, device, dtype, kernels)
-    except ConfigError:
-        return False
-    return (kernels is not None and kernels.products == "avx512" and not experts
-            and not config.fp32_kernels)
-
-
-def triton_invariant_path(device: torch.device) -> bool:
-    """Whether the batch-invariant mode runs through its Triton kernels
-    (``kernels.triton_invariant``) on ``device``: on CUDA; the CPU has its own."""
-    return device.type == "cuda"
-
-
-def check_batch_invariant(config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                          kernels: NativeKernels | None) -> None:
-    """Refuse ``batch_invariant`` where its guarantee would not hold, naming why. On CUDA it
-    needs Triton, for its own kernels, and the attention they implement; on a CPU the CPU's
-    own product kernels (AVX-512, AMX or AVX2), which multiply every row in one fixed order
-    of sums whatever the number of rows, and bf16 weights they take. Past two
-    tensor-parallel ranks the all-reduce's order follows the batch, anywhere."""
-    if config.tensor_parallel_size > 2:
-        raise ConfigError("batch_invariant runs on one or two tensor-parallel ranks: with "
-                          "more, the all-reduce's order of sums follows the batch's size")
-    if triton_invariant_path(device):
-        if not triton_invariant.available(device):
-            raise ConfigError("batch_invariant on CUDA needs triton (pip install triton): "
-                              "its products, norms and attention are Triton kernels")
-        if config.attention_backend == "flashinfer":
-            raise ConfigError("batch_invariant attends through its own kernel (attention_"
-                              "backend torch or auto): flashinfer's split of the keys "
-                              "follows the batch")
-        return
-    if device.type != "cpu":
-        raise ConfigError(f"batch_invariant runs on CPUs and CUDA GPUs, not {device.type}")
-    if kernels is None or kernels.fixed_products is None:
-        raise ConfigError("batch_invariant needs this CPU's own matrix-product kernels "
-                          "(AVX-512, AMX, or AVX2 with FMA, and a C compiler; cpu_kernels "
-                          "on): elsewhere products go through oneDNN, whose order of sums "
-                          "follows the number of rows")
-    if dtype != torch.bfloat16:
-        raise ConfigError("batch_invariant needs a bfloat16 model (dtype bfloat16): our "
-                          "product kernels take bf16 weights")
