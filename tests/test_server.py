@@ -499,11 +499,12 @@ async def test_native_generate_with_text_and_ids(client: TestClient) -> None:
     assert lines[-1]["finish_reason"] == "length" and lines[-1]["usage"]["total_tokens"] == 4
 
 
-async def test_api_key_guards_v1_and_generate_but_not_health_or_metrics(
+async def test_api_key_guards_v1_generate_and_the_cache_routes_not_health_or_metrics(
         engine: StubEngine) -> None:
     async with TestClient(TestServer(create_app(engine, api_key="sk-good"))) as client:
         for headers in ({}, {"Authorization": "Bearer sk-bad"}, {"Authorization": "sk-good"}):
-            for method, path in (("POST", C), ("POST", GEN), ("GET", "/v1/models")):
+            for method, path in (("POST", C), ("POST", GEN), ("GET", "/v1/models"),
+                                 ("POST", "/flush_cache"), ("GET", "/health_generate")):
                 resp = await client.request(method, path, json={"prompt": "hi"},
                                             headers=headers)
                 assert resp.status == 401
@@ -561,6 +562,46 @@ async def test_metrics_exposes_outcomes_tokens_latencies_and_engine_state(
                  "asyncinfer_engine_round_wait_seconds_total 0.75",
                  "asyncinfer_engine_device_busy_seconds_total 0.5"):
         assert line in text
+
+
+async def test_metrics_are_also_under_vllms_names_with_the_model_name(
+        client: TestClient) -> None:
+    """What gateways scrape from servers they know as vLLM: the same values as ours,
+    labelled with the served model's name, read with Prometheus' own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from asyncinfer.server.metrics import VLLM_NAMES
+
+    await client.post(C, json={"prompt": "hello", "max_tokens": 3})
+    text = await (await client.get("/metrics")).text()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    families = {f.name for f in text_string_to_metric_families(text)}
+    assert set(VLLM_NAMES) <= families
+    model = (("model_name", "stub-model"),)
+
+    def ours(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+        return samples[(f"asyncinfer_{name}", labels)]
+
+    def theirs(name: str, extra: tuple[tuple[str, str], ...] = ()) -> float:
+        return samples[(f"vllm:{name}", tuple(sorted(model + extra)))]
+
+    assert theirs("num_requests_running") == ours("requests_running") == 2
+    assert theirs("num_requests_waiting") == ours("requests_waiting") == 1
+    assert theirs("kv_cache_usage_perc") == ours("kv_pages_used") / ours("kv_pages_total")
+    assert theirs("gpu_cache_usage_perc") == theirs("kv_cache_usage_perc")
+    assert theirs("cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "40"))) == 1
+    assert theirs("prefix_cache_queries_total") == ours("prefix_cache_query_tokens_total")
+    assert theirs("prefix_cache_hits_total") == ours("prefix_cache_hit_tokens_total")
+    assert theirs("prompt_tokens_total") == ours("prompt_tokens_total") == 5
+    assert theirs("generation_tokens_total") == ours("generation_tokens_total") == 3
+    assert theirs("request_success_total", (("finished_reason", "length"),)) == ours(
+        "requests_total", (("outcome", "length"),)) == 1
+    assert theirs("request_success_total", (("finished_reason", "stop"),)) == 0
+    assert samples[("vllm:lora_requests_info", (("max_lora", "0"), ("running_lora_adapters", ""),
+                                                ("waiting_lora_adapters", "")))] > 0
+    assert theirs("time_to_first_token_seconds_count") == 1
+    assert theirs("e2e_request_latency_seconds_count") == 1
 
 
 class NoCancelServer(TestServer):

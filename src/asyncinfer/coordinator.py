@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -16,7 +17,8 @@ from attrs import define, frozen
 
 from asyncinfer.core import Batch, ErrorKind, Event, ForwardOutput
 from asyncinfer.distributed.sync import RankError, RankLostError, RoundSync
-from asyncinfer.outputs import Channel
+from asyncinfer.errors import EngineError
+from asyncinfer.outputs import CacheFlush, Channel
 from asyncinfer.params import SamplingParams
 from asyncinfer.processes import watch_exit
 from asyncinfer.scheduler.scheduler import ScheduledBatch, Scheduler
@@ -35,6 +37,17 @@ class _Add:
 class _Abort:
     uid: int
     notify: bool
+
+
+@define
+class _Flush:
+    """Empty the prefix cache between rounds (every rank, in rank 0's order of commands);
+    ``ticket`` names the caller's future on rank 0."""
+
+    ticket: int
+
+
+_Command = _Add | _Abort | _Flush | None
 
 
 @frozen
@@ -71,7 +84,7 @@ class Coordinator:
         self.synchronize = synchronize or (lambda: None)
         self.overlap = overlap
         self.batches = {"prefill": 0, "decode": 0, "mixed": 0}
-        self._commands: asyncio.Queue[_Add | _Abort | None] = asyncio.Queue()
+        self._commands: asyncio.Queue[_Command] = asyncio.Queue()
         self._channels: dict[int, Channel] = {}
         self._queued_adds = 0                   # requests added but not yet applied
         self._waited = 0.0                      # seconds awaiting the device, all rounds
@@ -91,6 +104,8 @@ class Coordinator:
         self._sampled: list[int] = []           # the tokens of the last batch processed
         self._lost: RankError | None = None   # why the loop was ended from outside
         self._unwatch: list[Callable[[], None]] = []
+        self._flushes: dict[int, asyncio.Future[CacheFlush]] = {}
+        self._tickets = itertools.count()
 
     def add(self, uid: int, prompt_ids: list[int], params: SamplingParams,
             channel: Channel) -> None:
@@ -122,6 +137,19 @@ class Coordinator:
             self._channels.pop(uid).put_nowait(Event(uid, None, "abort",
                                                      prefix_len=prefix.get(uid, 0)))
             self._commands.put_nowait(_Abort(uid, notify=False))
+
+    async def flush_cache(self) -> CacheFlush:
+        """Empty the prefix cache of every page no request holds, at the next round's start
+        (what is running goes on; what it holds stays)."""
+        if self._task is None or self._task.done():
+            raise EngineError("the engine is not running")
+        ticket = next(self._tickets)
+        future = self._flushes[ticket] = asyncio.get_running_loop().create_future()
+        self._commands.put_nowait(_Flush(ticket))
+        try:
+            return await future
+        finally:
+            self._flushes.pop(ticket, None)
 
     @property
     def failed(self) -> bool:
@@ -206,12 +234,15 @@ class Coordinator:
                 self.sync.closing = True  # this rank stops: the others' exits are expected
             for uid in list(self._channels):
                 self._deliver([Event(uid, None, "error", why, error_kind=kind)])
+            for future in self._flushes.values():
+                if not future.done():
+                    future.set_exception(EngineError(why))
             self._idle.set()
 
     async def _loop(self) -> None:
         inflight: _Launched | None = None
         while True:
-            commands: list[_Add | _Abort | None] = []
+            commands: list[_Command] = []
             if self.sync is None or self.sync.leader:
                 if inflight is None and not self.scheduler.has_work:
                     self._idle.set()
@@ -344,10 +375,10 @@ class Coordinator:
             return
         await future
 
-    def _effective(self, commands: list[_Add | _Abort | None]) -> list[_Add | _Abort | None]:
+    def _effective(self, commands: list[_Command]) -> list[_Command]:
         """The commands to apply: an add whose request was aborted while it sat in the
         queue is dropped."""
-        kept: list[_Add | _Abort | None] = []
+        kept: list[_Command] = []
         for command in commands:
             if isinstance(command, _Add):
                 self._queued_adds -= 1
@@ -356,11 +387,16 @@ class Coordinator:
             kept.append(command)
         return kept
 
-    def _apply(self, command: _Add | _Abort | None) -> bool:
+    def _apply(self, command: _Command) -> bool:
         if command is None:
             return False
         if isinstance(command, _Add):
             self.scheduler.add_request(command.uid, command.prompt_ids, command.params)
+        elif isinstance(command, _Flush):
+            freed, held = self.scheduler.flush_cache()
+            future = self._flushes.get(command.ticket)
+            if future is not None and not future.done():
+                future.set_result(CacheFlush(freed, held))
         else:
             self.scheduler.abort(command.uid, notify=command.notify)
         return True

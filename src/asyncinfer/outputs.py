@@ -86,6 +86,15 @@ class StreamDelta:
 
 
 @frozen
+class CacheFlush:
+    """What a prefix-cache flush did: pages it gave back, and cached pages it left because
+    running requests hold them."""
+
+    freed_pages: int
+    held_pages: int
+
+
+@frozen
 class EngineStats:
     """The engine's counters, all since its start (device seconds: CUDA only)."""
 

@@ -22,7 +22,7 @@ from asyncinfer.distributed.sync import RoundSync
 from asyncinfer.engine import create_runner
 from asyncinfer.errors import InvalidRequestError
 from asyncinfer.models.source import resolve_model
-from asyncinfer.outputs import Channel, EngineStats, Front
+from asyncinfer.outputs import CacheFlush, Channel, EngineStats, Front
 from asyncinfer.params import SamplingParams
 from asyncinfer.policies.base import Policy
 from asyncinfer.policies.registry import load_policy
@@ -227,6 +227,11 @@ class AsyncEngine(Front):
             self._end_compiling(uid, "abort")
         if self._coordinator is not None:
             self._coordinator.abort_all()
+
+    async def flush_cache(self) -> CacheFlush:
+        """Empty the prefix cache of every page no running request holds (they run on;
+        what they hold stays cached)."""
+        return await self._started().flush_cache()
 
     @property
     def alive(self) -> bool:

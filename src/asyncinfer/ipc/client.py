@@ -17,7 +17,7 @@ import zmq.asyncio
 from asyncinfer.core import Event
 from asyncinfer.errors import EngineError
 from asyncinfer.ipc import messages as msg
-from asyncinfer.outputs import Channel, EngineStats, Front
+from asyncinfer.outputs import CacheFlush, Channel, EngineStats, Front
 from asyncinfer.params import SamplingParams
 from asyncinfer.processes import watch_exit
 from asyncinfer.tokenizer import Tokenizer
@@ -50,6 +50,8 @@ class EngineClient(Front):
         self._received = 0             # of which the core has taken
         self._gone: str | None = None  # why the core can no longer answer
         self._exit_callbacks: list[Callable[[], None]] = []
+        self._flushes: dict[int, asyncio.Future[CacheFlush]] = {}
+        self._tickets = itertools.count()
         self._ctx: zmq.asyncio.Context | None = None
         self._push: zmq.Socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -90,6 +92,9 @@ class EngineClient(Front):
             self._unwatch()
             self._unwatch = None
         self._end_all("abort", None, None)
+        for future in self._flushes.values():
+            if not future.done():
+                future.set_exception(EngineError("the engine client is closed"))
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -129,6 +134,19 @@ class EngineClient(Front):
     def shutdown_core(self) -> None:
         """Ask the core to end what is open and stop (the server does, after its fronts)."""
         self._send(msg.Shutdown())
+
+    async def flush_cache(self) -> CacheFlush:
+        """Ask the core to empty its prefix cache of the pages no running request holds;
+        EngineError where it cannot (the core gone, or its engine stopped)."""
+        if self._gone is not None or self._task is None:
+            raise EngineError(self._gone or "the engine client is not started")
+        ticket = next(self._tickets)
+        future = self._flushes[ticket] = asyncio.get_running_loop().create_future()
+        self._send(msg.FlushCache(self.front, ticket))
+        try:
+            return await future
+        finally:
+            self._flushes.pop(ticket, None)
 
     def on_core_exit(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (on the loop) once the core's process has exited (soon, where it
@@ -178,6 +196,13 @@ class EngineClient(Front):
 
     def _apply(self, out: msg.Out) -> None:
         self._stats, self._received = out.stats, out.received
+        for answer in out.flushed:
+            future = self._flushes.get(answer.ticket)
+            if future is not None and not future.done():
+                if answer.error is None:
+                    future.set_result(CacheFlush(answer.freed_pages, answer.held_pages))
+                else:
+                    future.set_exception(EngineError(answer.error))
         channels = self._channels
         for scored in out.prompts:
             channel = channels.get(scored.uid)
@@ -200,6 +225,9 @@ class EngineClient(Front):
         self._gone = f"the engine core (pid {self.info.pid}) has stopped"
         logger.error("%s; ending %d open requests", self._gone, len(self._channels))
         self._end_all("error", self._gone, "unavailable")
+        for future in self._flushes.values():
+            if not future.done():
+                future.set_exception(EngineError(self._gone))
         for callback in self._exit_callbacks:
             callback()
 

@@ -89,6 +89,7 @@ class EngineCore:
         self._received = [0] * fronts
         self._sent_stats: list[EngineStats | None] = [None] * fronts
         self._flush_pending = False
+        self._tasks: set[asyncio.Task[None]] = set()   # flushes of the prefix cache
         self._stop = asyncio.Event()
         self.failed = False
 
@@ -112,9 +113,9 @@ class EngineCore:
         finally:
             for task in (stopped, ended):
                 task.cancel()
-            for task in tasks:
+            for task in [*tasks, *self._tasks]:
                 task.cancel()
-            for task in tasks:
+            for task in [*tasks, *self._tasks]:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             await self.engine.close()    # open requests end with an error event
@@ -160,6 +161,19 @@ class EngineCore:
         elif isinstance(message, msg.Hello):
             self._send(message.front, msg.Out([], [], [], self.engine.stats(),
                                               self._received[message.front]))
+        elif isinstance(message, msg.FlushCache):
+            task = asyncio.get_running_loop().create_task(self._flush_cache(message))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _flush_cache(self, message: msg.FlushCache) -> None:
+        try:
+            done = await self.engine.flush_cache()
+            answer = msg.Flushed(message.ticket, done.freed_pages, done.held_pages)
+        except Exception as exc:
+            answer = msg.Flushed(message.ticket, error=str(exc))
+        self._send(message.front, msg.Out([], [], [], self.engine.stats(),
+                                          self._received[message.front], flushed=[answer]))
 
     def _want_flush(self) -> None:
         if not self._flush_pending:

@@ -1,6 +1,7 @@
 """The messages between the fronts and the engine core (msgpack through msgspec), and
-where their sockets live. In: Add, Abort, AbortAll, Shutdown, Hello, on one socket every
-front pushes to. Out: one :class:`Out` per round per front with news, on a socket per front."""
+where their sockets live. In: Add, Abort, AbortAll, Shutdown, Hello, FlushCache, on one
+socket every front pushes to. Out: one :class:`Out` per round per front with news (and the
+answers to FlushCache), on a socket per front."""
 
 from __future__ import annotations
 
@@ -47,7 +48,25 @@ class Hello(msgspec.Struct, array_like=True, tag=4):
     front: int
 
 
-Inbound = Add | Abort | AbortAll | Shutdown | Hello
+class FlushCache(msgspec.Struct, array_like=True, tag=5):
+    """Front ``front`` asks the core to empty its prefix cache; the answer, a
+    :class:`Flushed` with the same ``ticket``, comes in an Out."""
+
+    front: int
+    ticket: int
+
+
+Inbound = Add | Abort | AbortAll | Shutdown | Hello | FlushCache
+
+
+class Flushed(msgspec.Struct, array_like=True):
+    """The answer to FlushCache ``ticket``: pages freed and pages left (running requests
+    hold them), or why it could not be done."""
+
+    ticket: int
+    freed_pages: int = 0
+    held_pages: int = 0
+    error: str | None = None
 
 
 class End(msgspec.Struct, array_like=True):
@@ -100,6 +119,7 @@ class Out(msgspec.Struct, array_like=True):
     received: int
     logprobs: list[tuple[int, Logprob]] = []
     prompts: list[PromptLogprobs] = []
+    flushed: list[Flushed] = []
 
 
 def params_fields(params: SamplingParams) -> dict[str, Any]:

@@ -158,6 +158,14 @@ class KVManager:
             self.prefix.unlock(req.prefix_handle)
         req.pages, req.shared_pages, req.prefix_handle = [], 0, None
 
+    def flush_cache(self) -> tuple[int, int]:
+        """Empty the prefix cache of every page no request holds; (pages freed, cached
+        pages left, which running requests hold)."""
+        freed = self.prefix.evict(self.prefix.evictable_pages)
+        self.allocator.free(freed)
+        self.epoch += 1
+        return len(freed), self.prefix.cached_pages
+
     def _write(self, req: Req, first_page: int, pages: list[int]) -> None:
         """Point positions from ``first_page`` on of ``req``'s row at ``pages``' slots."""
         row = req.row

@@ -454,6 +454,10 @@ class Scheduler:
             self.abort(uid, notify=False)
         self._release_deferred()
 
+    def flush_cache(self) -> tuple[int, int]:
+        """Empty the prefix cache of the pages no request holds (``KVManager.flush_cache``)."""
+        return self.kv.flush_cache()
+
     def flush(self) -> None:
         """Release what finished requests hold once no batch is in flight."""
         if self.in_flight == 0:

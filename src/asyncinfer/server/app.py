@@ -27,13 +27,15 @@ def create_app(backend: GenerateBackend, *, api_key: str | None = None,
                worker: WorkerInfo | None = None) -> web.Application:
     """An app serving ``backend``; the caller starts and closes it.
 
-    With ``api_key``, /v1/* and /generate need ``Authorization: Bearer <api_key>``; health,
-    metrics, OpenAPI and the router's worker routes stay open. ``served_model_name``
+    With ``api_key``, /v1/*, /generate, /flush_cache and /health_generate need
+    ``Authorization: Bearer <api_key>``; /health, metrics, OpenAPI and the router's worker
+    routes stay open. ``served_model_name``
     defaults to ``backend.model_name``; ``worker`` describes the model to routers.
     """
     options = options or ServerOptions()
     served_name = served_model_name or backend.model_name
-    metrics = ServerMetrics(backend.stats)
+    worker = worker or WorkerInfo()
+    metrics = ServerMetrics(backend.stats, served_name, worker.page_size)
     middlewares = [error_middleware] + ([auth_middleware(api_key)] if api_key else [])
     # Bodies are inflated by .body, bounded and off the event loop, not by aiohttp.
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES,
@@ -44,7 +46,9 @@ def create_app(backend: GenerateBackend, *, api_key: str | None = None,
     routes = Routes(backend, served_name, metrics, options, operations)
     routes.add_routes(app)
     app.router.add_get("/health", operations.health)
-    RouterAPI(backend, served_name, options, worker or WorkerInfo()).add_routes(app)
+    app.router.add_get("/health_generate", operations.health_generate)
+    app.router.add_post("/flush_cache", operations.flush_cache)
+    RouterAPI(backend, served_name, options, worker).add_routes(app)
 
     async def stop_tokenizing(app: web.Application) -> None:
         routes.encoder.pool.shutdown(wait=False, cancel_futures=True)

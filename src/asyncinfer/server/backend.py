@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from asyncinfer.outputs import RequestOutput, StreamDelta
+    from asyncinfer.outputs import CacheFlush, RequestOutput, StreamDelta
     from asyncinfer.params import SamplingParams
     from asyncinfer.tokenizer import Tokenizer
 
@@ -26,6 +26,7 @@ class GenerateBackend(Protocol):
     def stream(self, prompt: str | list[int],
                params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]: ...
     def stats(self) -> Any: ...
+    async def flush_cache(self) -> CacheFlush: ...
     @property
     def alive(self) -> bool: ...
     def abort_all(self) -> None: ...

@@ -12,6 +12,8 @@ from typing import Any
 from aiohttp import web
 from attrs import define
 
+from asyncinfer.errors import EngineError
+from asyncinfer.params import SamplingParams
 from asyncinfer.server.backend import GenerateBackend
 from asyncinfer.server.errors import CLIENT_CLOSED, APIError, http_status
 from asyncinfer.server.metrics import ServerMetrics
@@ -142,6 +144,44 @@ class Operations:
         return web.json_response({"status": "ok"})
 
 
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """200 once the engine has generated one token (of a one-token prompt) within
+        ``health_generate_timeout``; 503 when it cannot: draining, engine stopped, or no
+        token in time (a stalled or overloaded engine)."""
+        if self.state.draining or not self.backend.alive:
+            return await self.health(request)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        timeout = self.options.health_generate_timeout
+        try:
+            out = await asyncio.wait_for(self.backend.generate([0], params), timeout)
+        except asyncio.TimeoutError:
+            return web.json_response({"status": f"no token within {timeout:g} s"},
+                                     status=503)
+        if out.finish_reason in ("error", "abort") or not out.token_ids:
+            return web.json_response({"status": out.error or "the engine generated nothing"},
+                                     status=503)
+        return web.json_response({"status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """Empty the prefix cache of every page no running request holds (they run on, and
+        what they hold stays): 200 with the pages freed and left; 503 with the engine
+        down. Never refused for load, since nothing running loses a page."""
+        if not self.backend.alive:
+            raise APIError(503, "the engine is not running", code="engine_unavailable",
+                           headers=self._retry())
+        try:
+            done = await self.backend.flush_cache()
+        except EngineError as exc:
+            raise APIError(503, str(exc), code="engine_unavailable",
+                           headers=self._retry()) from exc
+        return web.json_response({"status": "ok", "freed_pages": done.freed_pages,
+                                  "held_pages": done.held_pages})
+
+
+PROTECTED = ("/generate", "/flush_cache", "/health_generate")
+"""Paths outside /v1/ that need the API key where one is set (they generate or change)."""
+
+
 def _outcome(status: int) -> str:
     if status == CLIENT_CLOSED:
         return "cancelled"  # as a client that leaves mid-stream
@@ -149,12 +189,12 @@ def _outcome(status: int) -> str:
 
 
 def auth_middleware(api_key: str) -> Any:
-    """Require ``Authorization: Bearer <api_key>`` on /v1/* and /generate."""
+    """Require ``Authorization: Bearer <api_key>`` on /v1/* and the PROTECTED paths."""
     expected = api_key.encode()
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/") or request.path in ("/v1", "/generate"):
+        if request.path.startswith("/v1/") or request.path in ("/v1", *PROTECTED):
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             try:
                 given = token.strip().encode()

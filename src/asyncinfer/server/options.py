@@ -116,6 +116,10 @@ class ServerOptions:
     body_timeout: float = _option(
         30.0, group=LIMITS, check=_above_zero,
         help="seconds a request body may take to arrive (then 408)")
+    health_generate_timeout: float = _option(
+        20.0, group=LIMITS, check=_above_zero,
+        help="seconds GET /health_generate waits for its one generated token before it "
+             "answers 503")
     shutdown_timeout: float = _option(
         30.0, group=LIMITS, check=_not_negative,
         help="on SIGTERM/SIGINT, seconds requests in flight may take to finish before they "
