@@ -334,6 +334,12 @@ class EngineConfig:
                    "AVX2, or CUDA through Triton; dense models; on: refused elsewhere)",
         means="on where it costs nothing measured: a bf16 dense model on an AVX-512 CPU "
               "without AMX; off elsewhere (CUDA included)")
+    kv_events: str | None = option(
+        None, means="off",
+        help="publish the prefix cache's stored and evicted pages as KV-cache events in "
+             "vLLM's schema over ZeroMQ, for prefix-aware routers: an endpoint (e.g. "
+             "tcp://*:5557) or vLLM's --kv-events-config JSON (endpoint, replay_endpoint, "
+             "topic, buffer_steps, hwm, max_queue_size)")
     max_extend_tokens: int = option(4096, check=_positive,
                                     help="prefill tokens one round may compute")
     chunked_prefill: bool = option(True, help="split a prompt longer than max_extend_tokens "

@@ -78,11 +78,13 @@ class Coordinator:
                  launch: Callable[[Batch], Callable[[], ForwardOutput]],
                  overlap: bool = True, synchronize: Callable[[], None] | None = None,
                  sync: RoundSync | None = None,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 executor: ThreadPoolExecutor | None = None,
+                 kv_events: Callable[[list[Any]], None] | None = None) -> None:
         self.scheduler = scheduler
         self.launch = launch
         self.synchronize = synchronize or (lambda: None)
         self.overlap = overlap
+        self.kv_events = kv_events   # given each round's KV-cache events, if set
         self.batches = {"prefill": 0, "decode": 0, "mixed": 0}
         self._commands: asyncio.Queue[_Command] = asyncio.Queue()
         self._channels: dict[int, Channel] = {}
@@ -268,6 +270,8 @@ class Coordinator:
                 await self._fail_all(f"engine error: {exc}")
                 inflight = None
             self._deliver(self.scheduler.take_events())
+            if self.kv_events is not None:
+                self.kv_events(self.scheduler.kv.prefix.take_events())
             self._rounds += 1
             self._round_s += time.perf_counter() - start
             if self.observer is not None:

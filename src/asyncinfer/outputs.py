@@ -113,6 +113,8 @@ class EngineStats:
     round_wait_seconds: float = 0.0
     device_busy_seconds: float = 0.0
     batches_mixed: int = 0
+    kv_event_batches: int = 0            # KV-cache event batches published
+    kv_event_batches_dropped: int = 0    # turned away by the publisher's full queue
 
 
 class Channel(Protocol):

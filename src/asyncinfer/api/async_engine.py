@@ -20,7 +20,9 @@ from asyncinfer.core import Event
 from asyncinfer.distributed.launch import STOP_TIMEOUT, leave_group
 from asyncinfer.distributed.sync import RoundSync
 from asyncinfer.engine import create_runner
-from asyncinfer.errors import InvalidRequestError
+from asyncinfer.engine.kv_publisher import KVEventPublisher, KVEventsSettings
+from asyncinfer.errors import ConfigError, InvalidRequestError
+from asyncinfer.kvcache.radix import RadixCache
 from asyncinfer.models.source import resolve_model
 from asyncinfer.outputs import CacheFlush, Channel, EngineStats, Front
 from asyncinfer.params import SamplingParams
@@ -51,6 +53,11 @@ class AsyncEngine(Front):
         model_dir = resolve_model(model)
         self.model_name = model_dir.name
         self.config = EngineConfig(model=str(model_dir), **engine_options)
+        settings = (None if self.config.kv_events is None
+                    else KVEventsSettings.parse(self.config.kv_events))  # refused: now
+        if settings is not None and self.config.cache_type != "radix":
+            raise ConfigError("kv_events needs the radix cache (cache_type radix): the "
+                              f"{self.config.cache_type} cache stores nothing to tell of")
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(model_dir)
         self._ranks = (launch_ranks(self.config, model_dir, given, _follow)
                        if needs_ranks(self.config) else None)
@@ -79,6 +86,13 @@ class AsyncEngine(Front):
                      if tp.size > 1 else None)
         self._coordinator: Coordinator | None = None
         self._uids = itertools.count()
+        # Rank 0 tells of its cache (every rank's holds the same pages).
+        self.kv_publisher: KVEventPublisher | None = None
+        if settings is not None and tp.rank == 0:
+            prefix = self.scheduler.kv.prefix
+            assert isinstance(prefix, RadixCache)
+            prefix.publish_events("GPU" if self.config.is_cuda else "CPU")
+            self.kv_publisher = KVEventPublisher(settings)
         self._froze_gc = self.config.freezes_gc
         if self._froze_gc:
             gc.collect()
@@ -88,9 +102,10 @@ class AsyncEngine(Front):
         """Start the coordinator on the running event loop."""
         if self._coordinator is None:
             compute, self._compute = self._compute or _compute_thread(), None
-            self._coordinator = Coordinator(self.scheduler, self.runner.launch, self.overlap,
-                                            self.runner.synchronize, self.sync,
-                                            executor=compute)
+            self._coordinator = Coordinator(
+                self.scheduler, self.runner.launch, self.overlap, self.runner.synchronize,
+                self.sync, executor=compute,
+                kv_events=None if self.kv_publisher is None else self.kv_publisher.publish)
             self._coordinator.start()
 
     async def follow(self) -> None:
@@ -130,6 +145,9 @@ class AsyncEngine(Front):
             # Graphs hold captured collectives: free them before the group goes.
             self.runner.release_graphs()
         self._stop_ranks(failed)
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
+            self.kv_publisher = None
         if self._froze_gc:
             gc.unfreeze()
             self._froze_gc = False
@@ -252,7 +270,10 @@ class AsyncEngine(Front):
         """Waiting and running requests, KV pages in use, batches run by phase."""
         if self._coordinator is None:
             return EngineStats(0, 0, 0, self.runner.num_pages, 0, 0)
-        return EngineStats(**self._coordinator.stats())
+        publisher = self.kv_publisher
+        events = {} if publisher is None else {"kv_event_batches": publisher.published,
+                                               "kv_event_batches_dropped": publisher.dropped}
+        return EngineStats(**self._coordinator.stats(), **events)
 
     def observe_rounds(self, observer: RoundObserver | None) -> None:
         """Call ``observer`` with a ``coordinator.Round`` after every round (None stops)."""

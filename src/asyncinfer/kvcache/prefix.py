@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from attrs import frozen
 
@@ -65,8 +65,14 @@ class PrefixCache(Protocol[H]):
         finishes; the handle to lock for its owner, or None where nothing was adopted."""
         ...
 
-    def evict(self, num_pages: int) -> list[int]:
-        """Give back at least ``num_pages`` unlocked pages (fewer if fewer are evictable)."""
+    def evict(self, num_pages: int, cleared: bool = False) -> list[int]:
+        """Give back at least ``num_pages`` unlocked pages (fewer if fewer are evictable);
+        ``cleared``: all of them, which empties the cache."""
+        ...
+
+    def take_events(self) -> list[Any]:
+        """What was stored and evicted since the last call (KV-cache events, where they
+        are published)."""
         ...
 
 
@@ -100,7 +106,10 @@ class NaiveCache:
     def adopt(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
         return None
 
-    def evict(self, num_pages: int) -> list[int]:
+    def evict(self, num_pages: int, cleared: bool = False) -> list[int]:
+        return []
+
+    def take_events(self) -> list[Any]:
         return []
 
 

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from attrs import define, field
 
+from asyncinfer.kvcache import events as kv_events
 from asyncinfer.kvcache.prefix import PrefixMatch
 
 Chunk = tuple[int, ...]
@@ -24,6 +25,7 @@ class Node:
     last_access: int
     ref_count: int = 0
     children: dict[Chunk, Node] = field(factory=dict)
+    hashes: list[bytes] = field(factory=list)   # each page's, where events are published
 
 
 class RadixCache:
@@ -41,7 +43,22 @@ class RadixCache:
         self._evictable = 0
         self._version = 0
         self.root = self._new_node([], [], None)
+        # What was stored and evicted since the last take_events (None: nobody asked).
+        self.events: list[kv_events.KVEvent] | None = None
+        self.medium = kv_events.MEDIUM
 
+    def publish_events(self, medium: str) -> None:
+        """From now on record what is stored and evicted (``take_events``), in vLLM's
+        schema, the pages on ``medium``; starts with AllBlocksCleared (the cache is empty)."""
+        assert not self._cached, "events start with an empty cache"
+        self.events, self.medium = [kv_events.AllBlocksCleared()], medium
+
+    def take_events(self) -> list[kv_events.KVEvent]:
+        """The events since the last call (none where nobody asked for them)."""
+        if not self.events:
+            return []
+        taken, self.events = self.events, []
+        return taken
     @property
     def cached_pages(self) -> int:
         return self._cached
@@ -87,11 +104,7 @@ class RadixCache:
         to_free = [mine for mine, kept in zip(pages, cached) if mine != kept]
         have = len(cached)
         if have < num_chunks:
-            leaf = self._new_node(chunks[have:], list(pages[have:num_chunks]), node)
-            node.children[leaf.chunks[0]] = leaf
-            self._cached += len(leaf.pages)
-            self._evictable += len(leaf.pages)
-            self._version += 1
+            self._add_leaf(node, chunks[have:], list(pages[have:num_chunks]))
         return to_free + list(pages[num_chunks:])
 
     def adopt(self, tokens: Sequence[int], pages: Sequence[int]) -> Node | None:
@@ -107,11 +120,25 @@ class RadixCache:
         have = len(cached)
         if have == num_chunks:
             return node
-        leaf = self._new_node(chunks[have:], list(pages[have:num_chunks]), node)
-        node.children[leaf.chunks[0]] = leaf
+        return self._add_leaf(node, chunks[have:], list(pages[have:num_chunks]))
+
+    def _add_leaf(self, parent: Node, chunks: list[Chunk], pages: list[int]) -> Node:
+        leaf = self._new_node(chunks, pages, parent)
+        parent.children[leaf.chunks[0]] = leaf
         self._cached += len(leaf.pages)
         self._evictable += len(leaf.pages)
         self._version += 1
+        if self.events is not None:
+            before = parent.hashes[-1] if parent.hashes else None
+            digest = before
+            for chunk in chunks:
+                digest = kv_events.page_hash(digest, chunk)
+                leaf.hashes.append(digest)
+            self.events.append(kv_events.BlockStored(
+                [kv_events.external(h) for h in leaf.hashes],
+                None if before is None else kv_events.external(before),
+                [t for chunk in chunks for t in chunk], self.page_size, None, self.medium,
+                None))
         return leaf
 
     def lock(self, node: Node) -> None:
@@ -133,8 +160,9 @@ class RadixCache:
                 self._evictable += len(walker.pages)
             walker = walker.parent
 
-    def evict(self, num_pages: int) -> list[int]:
-        """Free at least ``num_pages`` pages (fewer if fewer are evictable), LRU leaves first."""
+    def evict(self, num_pages: int, cleared: bool = False) -> list[int]:
+        """Free at least ``num_pages`` pages (fewer if fewer are evictable), LRU leaves first;
+        ``cleared``: the caller frees everything, told as AllBlocksCleared, not leaf by leaf."""
         heap = [(n.last_access, n.creation_id, n) for n in self._leaves() if n.ref_count == 0]
         heapq.heapify(heap)
         freed: list[int] = []
@@ -144,12 +172,18 @@ class RadixCache:
             assert parent is not None
             del parent.children[leaf.chunks[0]]
             freed.extend(leaf.pages)
+            if self.events is not None and not cleared:
+                self.events.append(kv_events.BlockRemoved(
+                    [kv_events.external(h) for h in leaf.hashes], self.medium))
             self._cached -= len(leaf.pages)
             self._evictable -= len(leaf.pages)
             if parent is not self.root and not parent.children and parent.ref_count == 0:
                 heapq.heappush(heap, (parent.last_access, parent.creation_id, parent))
         if freed:
             self._version += 1
+        if cleared and self.events is not None:
+            assert not self._cached, "cleared, yet pages are still cached"
+            self.events.append(kv_events.AllBlocksCleared())
         return freed
 
     def _new_node(self, chunks: list[Chunk], pages: list[int], parent: Node | None) -> Node:
@@ -181,6 +215,7 @@ class RadixCache:
         parent = node.parent
         assert parent is not None and 0 < at < len(node.chunks)
         upper = self._new_node(node.chunks[:at], node.pages[:at], parent)
+        upper.hashes, node.hashes = node.hashes[:at], node.hashes[at:]
         upper.ref_count = node.ref_count
         upper.last_access = node.last_access
         # Reassigning an existing key keeps its place in the dict, so child order is unchanged.

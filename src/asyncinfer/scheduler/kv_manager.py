@@ -161,7 +161,8 @@ class KVManager:
     def flush_cache(self) -> tuple[int, int]:
         """Empty the prefix cache of every page no request holds; (pages freed, cached
         pages left, which running requests hold)."""
-        freed = self.prefix.evict(self.prefix.evictable_pages)
+        everything = self.prefix.evictable_pages == self.prefix.cached_pages
+        freed = self.prefix.evict(self.prefix.evictable_pages, cleared=everything)
         self.allocator.free(freed)
         self.epoch += 1
         return len(freed), self.prefix.cached_pages

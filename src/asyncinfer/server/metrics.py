@@ -79,7 +79,11 @@ class _EngineCollector(Collector):
             ("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
              stats.prefix_cache_query_tokens),
             ("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
-             stats.prefix_cache_hit_tokens))
+             stats.prefix_cache_hit_tokens),
+            ("kv_event_batches", "KV-cache event batches published (kv_events)",
+             stats.kv_event_batches),
+            ("kv_event_batches_dropped", "KV-cache event batches dropped: the publisher's "
+             "queue was full", stats.kv_event_batches_dropped))
         rounds = (
             ("engine_rounds", "Rounds of the engine loop", stats.rounds),
             ("engine_round_host_seconds", "Seconds the engine loop's rounds spent on the "

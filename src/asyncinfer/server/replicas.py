@@ -98,6 +98,10 @@ def _replica_args(args: argparse.Namespace, index: int, tp: int,
     """Replica ``index``'s own serve arguments: one replica, a local port, its GPUs."""
     own = copy.copy(args)
     own.dp, own.host, own.port, own.replica = 1, "127.0.0.1", port, index
+    if getattr(args, "kv_events", None) is not None:  # each its own publisher, its rank
+        from asyncinfer.engine.kv_publisher import KVEventsSettings
+
+        own.kv_events = KVEventsSettings.parse(args.kv_events).for_replica(index).to_json()
     if args.shutdown_delay == 0.0:  # the router must see /health fail before the drain
         own.shutdown_delay = HEALTH_INTERVAL * (HEALTH_FAILURES + 1)
     device = args.device or "cpu"
