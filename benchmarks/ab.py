@@ -5,8 +5,8 @@ over the workload; the pairs alternate their order (A B, B A, ...). The record k
 run, both commits, the machine, and a digest of each run's output tokens, so a change that
 should leave results alone is shown to: every digest must be the same. ``--new-variant``
 (and ``--base-variant``) run a feature on one side: the cost of logprobs, of n=4 against
-the same sequences as separate requests, of JSON schemas on half or all of the requests, or
-of the batch-invariant mode (one checkout may be both sides).
+the same sequences as separate requests, of JSON schemas on half or all of the requests, of
+the batch-invariant mode, or of KV-cache events (one checkout may be both sides).
 
     python -m benchmarks.ab --base ../base --new . --pairs 3 --json ab.json
     python -m benchmarks.ab --base . --new . --new-variant logprobs5 --json cost.json
@@ -27,7 +27,7 @@ from benchmarks.util import machine
 # What one run executes, in the checkout under test: only the public API, which both sides
 # share. The workload is drawn as benchmarks.offline's cpu workload (random.Random(0)).
 RUN = r"""
-import hashlib, json, random, sys, time
+import hashlib, json, os, random, sys, time
 from asyncinfer.api import LLM
 from asyncinfer.params import SamplingParams
 model, dtype, variant = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -48,8 +48,11 @@ elif variant in ("n4", "repeat4"):  # a quarter of the prompts, four sequences e
 # (an array of integers), so each constrained row is masked at every step.
 schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99999}}
 constrained = {"json50": set(range(1, 64, 2)), "json100": set(range(64))}.get(variant, set())
+options = {"invariant": {"batch_invariant": True},
+           # KV-cache events published (hashed, encoded, sent) with no subscriber attached
+           "kv_events": {"kv_events": f"ipc:///tmp/asyncinfer-ab-kv-events-{os.getpid()}"}}
 llm = LLM(model, skip_tokenizer_init=True, dtype=dtype, max_running_requests=64,
-          max_seq_len=2048, **({"batch_invariant": True} if variant == "invariant" else {}))
+          max_seq_len=2048, **options.get(variant, {}))
 try:
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate([p[:64] for p in prompts[:4]], warm, use_tqdm=False)
@@ -79,8 +82,10 @@ print(json.dumps({"variant": variant, "tokens": tokens, "seconds": round(seconds
 
 # What each side runs: the workload plainly; with logprobs=5; its first 16 prompts with n=4;
 # or those 16 prompts each sent four times (the same tokens as n=4, greedy); half or all of
-# the requests under a JSON schema; the workload plainly in the batch-invariant mode.
-VARIANTS = ("plain", "logprobs5", "n4", "repeat4", "json50", "json100", "invariant")
+# the requests under a JSON schema; the workload plainly in the batch-invariant mode, or
+# with the radix cache's KV-cache events published.
+VARIANTS = ("plain", "logprobs5", "n4", "repeat4", "json50", "json100", "invariant",
+            "kv_events")
 
 
 def _commit(checkout: Path) -> str:
