@@ -254,3 +254,18 @@ def test_kv_events_without_the_radix_cache_or_malformed_is_refused_before_loadin
         tiny_engine(tiny_llama_dir, cache_type="naive", kv_events="ipc:///tmp/never")
     with pytest.raises(ConfigError, match="unknown field 'port'"):
         tiny_engine(tiny_llama_dir, kv_events='{"port": 5557}')
+
+
+def test_each_data_parallel_replica_publishes_on_its_own_endpoint_with_its_rank() -> None:
+    """`serve --dp N --kv-events ...`: replica i's serve arguments carry settings a port i
+    above, with data_parallel_rank i (vLLM's rule for its replicas)."""
+    from asyncinfer.cli import build_parser
+    from asyncinfer.server.replicas import _replica_args
+
+    args = build_parser().parse_args(
+        ["serve", "--model", "m", "--dp", "2",
+         "--kv-events", '{"endpoint": "tcp://*:6000", "topic": "kv@a@m"}'])
+    mine = [KVEventsSettings.parse(_replica_args(args, i, 1, 9000 + i).kv_events)
+            for i in range(2)]
+    assert [(s.endpoint, s.data_parallel_rank, s.topic) for s in mine] == [
+        ("tcp://*:6000", 0, "kv@a@m"), ("tcp://*:6001", 1, "kv@a@m")]

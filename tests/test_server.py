@@ -15,6 +15,7 @@ from attrs import define, field, frozen
 
 from asyncinfer.api import RequestMetrics, RequestOutput
 from asyncinfer.errors import EngineError
+from asyncinfer.outputs import EngineStats
 from asyncinfer.params import SamplingParams
 from asyncinfer.server import create_app
 from asyncinfer.server.operations import METRICS
@@ -53,23 +54,14 @@ class Delta:
     index: int = 0
 
 
-@frozen
-class Stats:
-    waiting: int = 1
-    running: int = 2
-    kv_pages_used: int = 3
-    kv_pages_total: int = 40
-    batches_prefill: int = 5
-    batches_decode: int = 6
-    prefix_cache_queries: int = 7
-    prefix_cache_hits: int = 2
-    prefix_cache_query_tokens: int = 90
-    prefix_cache_hit_tokens: int = 32
-    rounds: int = 12
-    round_host_seconds: float = 0.25
-    round_wait_seconds: float = 0.75
-    device_busy_seconds: float = 0.5
-    batches_mixed: int = 4
+def Stats() -> EngineStats:
+    """The engine's own stats type, so the stub cannot fall behind the fields /metrics reads."""
+    return EngineStats(
+        waiting=1, running=2, kv_pages_used=3, kv_pages_total=40, batches_prefill=5,
+        batches_decode=6, prefix_cache_queries=7, prefix_cache_hits=2,
+        prefix_cache_query_tokens=90, prefix_cache_hit_tokens=32, rounds=12,
+        round_host_seconds=0.25, round_wait_seconds=0.75, device_busy_seconds=0.5,
+        batches_mixed=4, kv_event_batches=9, kv_event_batches_dropped=1)
 
 
 @define(slots=False)
