@@ -20,13 +20,31 @@ KUSTOMIZATION = "kustomization.yaml"
 # newer, so they apply to clusters from this release on.
 KUBERNETES_VERSION = "1.30.0"
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+# Objects of custom resources, whose schemas are a CRD's, not the Kubernetes API's: checked
+# in tests/test_deploy_inference_pool.py against schemas of their own.
+CUSTOM_GROUPS = ("inference.networking.k8s.io/", "gateway.networking.k8s.io/")
 
 Manifest = dict[str, Any]
 
 
 def manifest_files() -> list[Path]:
-    """The files of Kubernetes objects (the kustomization is kustomize's, not the API's)."""
-    return sorted(p for p in DEPLOY.glob("*.yaml") if p.name != KUSTOMIZATION)
+    """The files of Kubernetes objects, in every folder (the kustomizations are kustomize's,
+    not the API's)."""
+    return sorted(p for p in DEPLOY.rglob("*.yaml") if p.name != KUSTOMIZATION)
+
+
+def kustomized(folder: Path) -> list[Manifest]:
+    """The objects ``kubectl apply -k folder`` applies: its files' and, recursively, its
+    folders' (before kustomize sets the namespace)."""
+    found: list[Manifest] = []
+    for resource in yaml.safe_load((folder / KUSTOMIZATION).read_text())["resources"]:
+        path = (folder / resource).resolve()
+        if path.is_dir():
+            found += kustomized(path)
+        else:
+            with path.open() as stream:
+                found += [doc for doc in yaml.safe_load_all(stream) if doc]
+    return found
 
 
 def manifests() -> list[tuple[str, Manifest]]:
@@ -34,7 +52,8 @@ def manifests() -> list[tuple[str, Manifest]]:
     found = []
     for path in manifest_files():
         with path.open() as stream:
-            found += [(path.name, doc) for doc in yaml.safe_load_all(stream) if doc]
+            found += [(str(path.relative_to(DEPLOY)), doc)
+                      for doc in yaml.safe_load_all(stream) if doc]
     return found
 
 
@@ -107,8 +126,11 @@ def router_flag(name: str) -> str:
     return values[0]
 
 
-@pytest.mark.parametrize(("path", "manifest"), manifests(),
-                         ids=[f"{f}:{d['kind']}/{d['metadata']['name']}" for f, d in manifests()])
+API_OBJECTS = [(f, d) for f, d in manifests() if not d["apiVersion"].startswith(CUSTOM_GROUPS)]
+
+
+@pytest.mark.parametrize(("path", "manifest"), API_OBJECTS,
+                         ids=[f"{f}:{d['kind']}/{d['metadata']['name']}" for f, d in API_OBJECTS])
 def test_each_object_is_valid_against_the_kubernetes_schema(path: str,
                                                             manifest: Manifest) -> None:
     """Strict validation also rejects fields the schema does not know (a misspelled
@@ -134,10 +156,25 @@ def test_no_two_objects_share_a_kind_and_name() -> None:
     assert keys and len(keys) == len(set(keys)), keys
 
 
-def test_the_kustomization_lists_every_file() -> None:
-    """``kubectl apply -k`` applies only the listed files: a new file must be added there."""
-    kustomization = yaml.safe_load((DEPLOY / KUSTOMIZATION).read_text())
-    assert sorted(kustomization["resources"]) == [p.name for p in manifest_files()]
+@pytest.mark.parametrize("folder", sorted(p.parent for p in DEPLOY.rglob(KUSTOMIZATION)),
+                         ids=lambda p: str(p.relative_to(DEPLOY)) or ".")
+def test_each_kustomization_lists_every_file_of_its_folder(folder: Path) -> None:
+    """``kubectl apply -k`` applies only the listed files: a new file must be added there,
+    and a listed folder must be a kustomization itself."""
+    resources = yaml.safe_load((folder / KUSTOMIZATION).read_text())["resources"]
+    files = [r for r in resources if not (folder / r).is_dir()]
+    assert sorted(files) == sorted(p.name for p in folder.glob("*.yaml")
+                                   if p.name != KUSTOMIZATION)
+    for sub in set(resources) - set(files):
+        assert (folder / sub / KUSTOMIZATION).is_file(), sub
+
+
+def test_every_file_is_applied_by_some_kustomization() -> None:
+    """No manifest is left out of both deployments: each object is applied by the
+    sglang-router kustomization or the Inference Extension's."""
+    applied = [kustomized(p.parent) for p in DEPLOY.rglob(KUSTOMIZATION)]
+    for _, doc in manifests():
+        assert any(doc in objects for objects in applied), doc["metadata"]["name"]
 
 
 @pytest.mark.parametrize("name", ["asyncinfer-worker", "asyncinfer-router"])
@@ -179,7 +216,7 @@ def test_sglang_router_reads_the_flags_the_same_way() -> None:
     assert item["command"] == ["python", "-m", "sglang_router.launch_router"]
     parsed = launch_router.parse_router_args(item["args"])
     assert parsed.service_discovery
-    assert parsed.selector == pod_labels(worker())
+    assert parsed.selector.items() <= pod_labels(worker()).items()
     assert parsed.service_discovery_port == container_port(container(worker()), "http")
     assert parsed.port == container_port(item, "http")
     assert parsed.prometheus_port == container_port(item, "metrics")
