@@ -66,10 +66,10 @@ class Subscriber:
     """What a router keeps: the pages each stored event names, less those removed; every
     batch checked to follow the one before (sequence numbers) and chained by hash."""
 
-    def __init__(self, endpoint: str, topic: str = "") -> None:
+    def __init__(self, endpoint: str, topic: str = "", bind: bool = False) -> None:
         self.context = zmq.Context()
         self.sub = self.context.socket(zmq.SUB)
-        self.sub.connect(endpoint)
+        (self.sub.bind if bind else self.sub.connect)(endpoint)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.pages: dict[int, tuple[int, ...]] = {}   # hash -> its page's tokens
         self.seq = -1
@@ -269,3 +269,34 @@ def test_each_data_parallel_replica_publishes_on_its_own_endpoint_with_its_rank(
             for i in range(2)]
     assert [(s.endpoint, s.data_parallel_rank, s.topic) for s in mine] == [
         ("tcp://*:6000", 0, "kv@a@m"), ("tcp://*:6001", 1, "kv@a@m")]
+
+
+async def test_with_two_tensor_parallel_ranks_rank_0_alone_publishes(
+        tiny_llama_dir: Path) -> None:
+    """The subscriber binds and the engine connects, so a second publishing rank would
+    reach it too: its sequence numbers would start again. One stream arrives, and it rebuilds
+    rank 0's cache."""
+    context = zmq.Context()
+    probe = context.socket(zmq.REP)
+    port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(linger=0)
+    context.term()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    subscriber = Subscriber(endpoint, bind=True)
+    try:
+        async with tiny_engine(tiny_llama_dir, tensor_parallel_size=2,
+                               kv_events=endpoint) as engine:
+            cache = engine.scheduler.kv.prefix
+            # The PUB socket connects; the bound SUB sends it the subscription only once it
+            # has handled the connection, which it does when polled.
+            for _ in range(10):
+                subscriber.sub.poll(20)
+                await asyncio.sleep(0.02)
+            for i in range(3):
+                await engine.generate(list(range(3, 20)) + [50 + i] * 6, greedy(4))
+            subscriber.drain(lambda: subscriber.pages == _cached(cache.root) != {})
+            await asyncio.sleep(0.3)  # a second stream, if any, would have come by now
+            subscriber.drain(lambda: not subscriber.sub.poll(0))
+            assert engine.stats().kv_event_batches == subscriber.seq + 1
+    finally:
+        subscriber.close()
