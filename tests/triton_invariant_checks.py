@@ -13,6 +13,24 @@ import torch
 from torch.nn import functional as F
 
 
+def _fixed_order_dots() -> None:
+    """Make the interpreter's ``tl.dot`` reduce each output in one order along K whatever the
+    row's place in its tile. It multiplies tiles with numpy's matmul, whose BLAS (OpenBLAS on
+    an AVX2 host) orders a row's sums by where the row sits in the tile; a GPU's MMA does
+    not, and the kernel's blocking is what these checks are about. numpy's einsum, without
+    BLAS, sums each output along K alike."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+        del self, input_precision, max_num_imprecise_acc
+        product = np.einsum("...ik,...kj->...ij", a.data.astype(d.data.dtype),
+                            b.data.astype(d.data.dtype), optimize=False)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
     """Within ``tol`` relative to each value (at least to 1). Triton's interpreter rounds
     to bf16 by cutting bits, so bf16 results may sit an ulp below torch's."""
@@ -209,6 +227,7 @@ def check_engine(model_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    _fixed_order_dots()
     if sys.argv[1] == "kernels":
         check_products()
         check_norms()
