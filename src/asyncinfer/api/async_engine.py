@@ -30,6 +30,7 @@ from asyncinfer.policies.base import Policy
 from asyncinfer.policies.registry import load_policy
 from asyncinfer.processes import new_event_loop
 from asyncinfer.scheduler.scheduler import Scheduler
+from asyncinfer.threads import set_omp_environment
 from asyncinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class AsyncEngine(Front):
             raise ConfigError("kv_events needs the radix cache (cache_type radix): the "
                               f"{self.config.cache_type} cache stores nothing to tell of")
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(model_dir)
+        if needs_ranks(self.config):
+            set_omp_environment()  # the ranks' OpenMP loads after this; ours may have
         self._ranks = (launch_ranks(self.config, model_dir, given, _follow)
                        if needs_ranks(self.config) else None)
         self._compute: ThreadPoolExecutor | None = _compute_thread()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -47,6 +46,7 @@ from asyncinfer.memory import available_memory, return_free_heap
 from asyncinfer.models import build_model, check_model
 from asyncinfer.models.base import CausalLM
 from asyncinfer.models.weights import init_dummy, iter_safetensors
+from asyncinfer.threads import ThreadTuner, cpu_threads, threads_chosen
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +81,13 @@ class ModelRunner:
         self.device = rank_device(config.device, self.tp.rank)
         if self.device.index is not None and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.device.type == "cpu" and self.tp.size > 1:
-            # The ranks share the machine's cores: each takes its share, not all of them.
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-                os.cpu_count() or 1)
-            torch.set_num_threads(max(1, cores // self.tp.size))
+        self.cpu_threads = 0  # the threads this rank computes with, on a CPU (at most)
+        self.thread_tuner: ThreadTuner | None = None
+        if self.device.type == "cpu":
+            self.cpu_threads = cpu_threads(config.cpu_threads, self.tp.size)
+            torch.set_num_threads(self.cpu_threads)
+            if self.cpu_threads > 1 and not threads_chosen(config.cpu_threads):
+                self.thread_tuner = ThreadTuner(self.cpu_threads, torch.set_num_threads)
         self.dtype = config.torch_dtype
         backend_name = config.resolved_attention_backend
         backend_cls = backend_class(backend_name)
@@ -171,8 +173,9 @@ class ModelRunner:
                     if self.tp.size > 1 else "", _size(weights), self.num_pages, page,
                     self.num_pages * page,
                     _size(self.num_pages * page * cfg.kv_bytes_per_token(self.kv_dtype)),
-                    "; float32 kernels for half-precision values" if config.fp32_kernels
-                    else "", backend_name,
+                    ("; float32 kernels for half-precision values" if config.fp32_kernels
+                     else "") + (f"; {self.cpu_threads} CPU threads (cpu_threads sets "
+                                 "them)" if self.cpu_threads else ""), backend_name,
                     self.graphs.decode_sizes if self.graphs else "off",
                     (self.graphs.prefill_sizes or "off") if self.graphs else "off")
 
@@ -295,6 +298,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward_here(self, batch: Batch) -> ForwardOutput:
+        if self.thread_tuner is not None:
+            self.thread_tuner.step()
         run = self._enqueue(batch)
         return ForwardOutput(run.tokens, run.logits, 0.0, run.logprobs, run.prompt_logprobs)
 

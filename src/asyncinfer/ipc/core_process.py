@@ -296,7 +296,8 @@ async def _serve(engine: Any, addresses: msg.Addresses, fronts: int, ready: _Rea
                               engine.context_len, runner.num_pages, runner.page_size,
                               engine.policy.name, runner.tp.size, str(runner.device),
                               str(runner.dtype).removeprefix("torch."),
-                              engine.config.resolved_attention_backend))
+                              engine.config.resolved_attention_backend,
+                              runner.cpu_threads))
     try:
         await core.run()
     finally:

@@ -168,6 +168,7 @@ class CoreInfo:
     device: str = ""
     dtype: str = ""
     attention: str = ""
+    cpu_threads: int = 0        # the threads rank 0 computes with on a CPU (0: not a CPU)
 
 
 encode = msgspec.msgpack.Encoder().encode

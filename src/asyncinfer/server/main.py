@@ -400,7 +400,9 @@ def banner(info: CoreInfo, url: str, served_name: str | None = None,
     name = served_name or info.model_name
     served = "" if name == info.model_name else f", served as {name!r}"
     runs = ", ".join(x for x in (info.device, info.dtype,
-                                 f"{info.attention} attention" if info.attention else "") if x)
+                                 f"{info.attention} attention" if info.attention else "",
+                                 f"{info.cpu_threads} CPU threads (--cpu-threads to change)"
+                                 if info.cpu_threads else "") if x)
     tokens = info.kv_pages_total * info.page_size
     fronts = f", {workers} HTTP front processes" if workers > 1 else ""
     return "\n".join([
