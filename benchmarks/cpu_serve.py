@@ -63,6 +63,9 @@ def variants(vllm_python: str, model: str) -> dict[str, tuple[list[str], dict[st
         # A wait with no spin at all; asyncinfer-spinN (N iterations, 300k: libgomp's own
         # default, as before the engine chose one) is read by ``variant``.
         "asyncinfer-passive": (ours, {"OMP_WAIT_POLICY": "PASSIVE"}),
+        # Every core, not tuned; float32 weights and activations.
+        "asyncinfer-threads-all": ([*ours, "--cpu-threads", str(cores)], {}),
+        "asyncinfer-fp32": ([*ours, "--dtype", "float32"], {}),
         "vllm-bf16": ([*vllm, "--dtype", "bfloat16"], bound),
         "vllm-fp32": ([*vllm, "--dtype", "float32"], bound),
     }

@@ -125,7 +125,15 @@ def test_the_tuner_drops_a_thread_while_cores_are_taken_and_comes_back_when_free
         machine.advance(0.5, 0.006)
         tuner.step()
     assert tuner.threads == 2 and machine.counts == []
-    machine.advance(0.5, 0.73)              # another process takes a core
+    machine.advance(0.5, 0.9)               # a burst of another process's work: kept
+    tuner.step()
+    machine.advance(0.5, 0.006)
+    tuner.step()
+    assert machine.counts == []
+    machine.advance(0.5, 0.73)              # another process takes a core: two looks
+    tuner.step()
+    assert machine.counts == []
+    machine.advance(0.5, 0.73)
     tuner.step()
     assert tuner.threads == 1 and machine.counts == [1]
     for _ in range(19):                     # one thread waits no more; no try before 10 s
@@ -157,7 +165,7 @@ def test_the_tuner_looks_at_most_every_interval_and_never_below_one_thread() -> 
     machine.advance(0.2, 2.0)
     tuner.step()
     assert machine.counts == []             # under the interval: not looked at
-    for _ in range(6):
+    for _ in range(8):
         machine.advance(0.5, 2.0)
         tuner.step()
     assert tuner.threads == 1 and machine.counts == [2, 1]

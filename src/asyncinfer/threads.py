@@ -110,7 +110,8 @@ def run_delay_seconds(tasks: Path = Path("/proc/self/task")) -> float | None:
 
 class ThreadTuner:
     """Between rounds, the number of threads the engine computes with: one fewer while its
-    threads wait for cores that another process holds, and a try with one more after
+    threads wait for cores that another process holds (two looks in a row), and a try
+    with one more after
     ``probe_every`` seconds, kept where the wait does not come back (each try that fails
     doubles the time to the next, up to ``longest_wait``). See docs/architecture.md,
     "CPU threads"."""
@@ -126,6 +127,7 @@ class ThreadTuner:
         self._probe_at = self._since
         self._wait = probe_every   # until the next try
         self._trying = False       # the last change was a try with one more
+        self._strikes = 0          # looks in a row that found the threads waiting
         self.changes = 0   # how often the count changed (a counter for tests and logs)
 
     def contended(self, rate: float) -> bool:
@@ -144,7 +146,11 @@ class ThreadTuner:
             return
         rate = (delay - self._delay) / (now - self._since)
         self._since, self._delay = now, delay
-        if self.threads > 1 and self.contended(rate):
+        # Two looks in a row, or one just after a try: a burst of another process's work
+        # (a client tokenizing its prompts) is not a core taken away.
+        self._strikes = self._strikes + 1 if self.contended(rate) else 0
+        if self.threads > 1 and (self._strikes >= 2 or (self._strikes and self._trying)):
+            self._strikes = 0
             self._change(self.threads - 1, f"its threads waited {rate:.2f} s/s for cores")
             self._wait = min(2 * self._wait, self.longest_wait) if self._trying \
                 else self.probe_every
