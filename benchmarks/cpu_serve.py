@@ -74,9 +74,16 @@ def variants(vllm_python: str, model: str) -> dict[str, tuple[list[str], dict[st
 def variant(name: str, specs: dict[str, tuple[list[str], dict[str, str]]]
             ) -> tuple[list[str], dict[str, str]] | None:
     """The setting ``name`` names: one of ``specs``, or ``asyncinfer-spinN`` (``N`` or
-    ``Nk`` iterations of libgomp's spin at barriers)."""
+    ``Nk`` iterations of libgomp's spin at barriers); ``-all`` after an asyncinfer setting
+    computes on every core, untuned (``--cpu-threads``), so the wait alone differs."""
     if name in specs:
         return specs[name]
+    if name.startswith("asyncinfer") and name.endswith("-all"):
+        base = variant(name.removesuffix("-all"), specs)
+        if base is None:
+            return None
+        cores = str(len(os.sched_getaffinity(0)))
+        return [*base[0], "--cpu-threads", cores], base[1]
     count = name.removeprefix("asyncinfer-spin")
     if count != name and count.removesuffix("k").isdigit():
         iterations = int(count.removesuffix("k")) * (1000 if count.endswith("k") else 1)
