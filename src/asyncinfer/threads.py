@@ -110,11 +110,10 @@ def run_delay_seconds(tasks: Path = Path("/proc/self/task")) -> float | None:
 
 class ThreadTuner:
     """Between rounds, the number of threads the engine computes with: one fewer while its
-    threads wait for cores that another process holds (two looks in a row), and a try
-    with one more after
-    ``probe_every`` seconds, kept where the wait does not come back (each try that fails
-    doubles the time to the next, up to ``longest_wait``). See docs/architecture.md,
-    "CPU threads"."""
+    threads wait for cores that another process holds (two looks in a row), and a try with
+    one more after ``probe_every`` seconds, kept where the wait does not come back (each
+    try that fails doubles the time to the next, up to ``longest_wait``). See
+    docs/architecture.md, "CPU threads"."""
 
     def __init__(self, most: int, set_threads: Callable[[int], None],
                  delays: Callable[[], float | None] = run_delay_seconds,
@@ -128,7 +127,6 @@ class ThreadTuner:
         self._wait = probe_every   # until the next try
         self._trying = False       # the last change was a try with one more
         self._strikes = 0          # looks in a row that found the threads waiting
-        self.changes = 0   # how often the count changed (a counter for tests and logs)
 
     def contended(self, rate: float) -> bool:
         """Whether waiting ``rate`` seconds per second means another process holds a core:
@@ -166,5 +164,4 @@ class ThreadTuner:
     def _change(self, threads: int, why: str) -> None:
         logger.debug("CPU threads %d -> %d: %s", self.threads, threads, why)
         self.threads = threads
-        self.changes += 1
         self._set(threads)

@@ -60,10 +60,10 @@ class AsyncEngine(Front):
             raise ConfigError("kv_events needs the radix cache (cache_type radix): the "
                               f"{self.config.cache_type} cache stores nothing to tell of")
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(model_dir)
+        self._ranks = None
         if needs_ranks(self.config):
             set_omp_environment()  # the ranks' OpenMP loads after this; ours may have
-        self._ranks = (launch_ranks(self.config, model_dir, given, _follow)
-                       if needs_ranks(self.config) else None)
+            self._ranks = launch_ranks(self.config, model_dir, given, _follow)
         self._compute: ThreadPoolExecutor | None = _compute_thread()
         try:
             build = partial(create_runner, self.config, model_dir)
