@@ -40,9 +40,11 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
 
 
 def bandwidth_floor(model_dir: Path, prompts: list[list[int]], max_tokens: list[int],
-                    bytes_per_s: float, max_running: int) -> dict[str, Any]:
+                    bytes_per_s: float, max_running: int,
+                    kv_dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """Seconds to read what decoding must read, once: the weights once per decode step (all
-    requests running together while they fit) and each token's whole KV prefix."""
+    requests running together while they fit) and each token's whole KV prefix, in the
+    cache's dtype (``kv_dtype``)."""
     from asyncinfer.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(model_dir)
@@ -51,7 +53,7 @@ def bandwidth_floor(model_dir: Path, prompts: list[list[int]], max_tokens: list[
                                        * cfg.head_dim
                                        + cfg.num_heads * cfg.head_dim * cfg.hidden_size
                                        + 3 * cfg.hidden_size * cfg.intermediate_size))
-    kv_token = cfg.kv_bytes_per_token(torch.bfloat16)
+    kv_token = cfg.kv_bytes_per_token(kv_dtype)
     kv_reads = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, max_tokens))
     steps = sum(sorted(max_tokens, reverse=True)[::max_running]) if max_running < len(
         prompts) else max(max_tokens)
@@ -261,7 +263,8 @@ def main(args: Any) -> int:
     device = torch.device(config.device)
     max_running = config.max_running_requests
     bandwidth = copy_bandwidth(device)
-    floor = bandwidth_floor(model_dir, prompts, max_tokens, bandwidth, max_running)
+    floor = bandwidth_floor(model_dir, prompts, max_tokens, bandwidth, max_running,
+                            config.kv_cache_torch_dtype or torch.bfloat16)
     log(f"bandwidth floor: {json.dumps(floor)}")
     params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
               for n in max_tokens]
@@ -299,7 +302,8 @@ def main(args: Any) -> int:
     report = {
         "benchmark": "offline-gpu (nano-vllm workload)", "model": f"{model_dir.name} "
         f"({'dummy weights' if args.shape else config.load_format})", "dtype": config.dtype,
-        "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+        "kv_cache_dtype": config.kv_cache_dtype, "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
         "commit": git_commit(), "requests": len(prompts), "temperature": temperature,
         "tokens": tokens, "seconds": ours["seconds"], "tokens_per_s": ours["tokens_per_s"],
         "peer": peer["engine"] if peer else None,

@@ -53,9 +53,13 @@ class _PagedWrapper:
         else:
             self.planned = (indptr.clone(), indices.clone(), last.clone())
 
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]
-            ) -> torch.Tensor:
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+            k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:
         k_pages, v_pages = paged_kv_cache
+        # flashinfer compiles a kernel for the planned dtypes: pages of another dtype fail.
+        assert k_pages.dtype == v_pages.dtype == self.kv_data_type, (k_pages.dtype,
+                                                                     self.kv_data_type)
+        assert q.dtype == self.q_data_type, (q.dtype, self.q_data_type)
         if self.graph:
             indptr, indices, last = self.buffers  # type: ignore[assignment]
         else:
@@ -71,8 +75,8 @@ class _PagedWrapper:
         for i in range(batch):
             pages = indices[int(indptr[i]) : int(indptr[i + 1])].long()
             kv_len = (pages.numel() - 1) * self.page_size + int(last[i])
-            keys = k_pages[pages].flatten(0, 1)[:kv_len].float()
-            values = v_pages[pages].flatten(0, 1)[:kv_len].float()
+            keys = k_pages[pages].flatten(0, 1)[:kv_len].float() * (k_scale or 1.0)
+            values = v_pages[pages].flatten(0, 1)[:kv_len].float() * (v_scale or 1.0)
             lo, hi = int(qo[i]), int(qo[i + 1])
             if hi == lo:  # a request with no query row
                 continue
@@ -100,6 +104,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
              **options: Any) -> None:
         self.sm_scale = options.get("sm_scale") or head_dim**-0.5
         self.window_left = int(options.get("window_left", -1))
+        self.q_data_type, self.kv_data_type = options["q_data_type"], options["kv_data_type"]
         self._store(indptr, indices, last_page_len, page_size)
         _check_lengths(options.get("seq_lens"), indptr, last_page_len, page_size)
 
@@ -141,6 +146,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         assert qo_indptr.dtype == torch.int32
         self.sm_scale = options.get("sm_scale") or head_dim_qk**-0.5
         self.window_left = int(options.get("window_left", -1))
+        self.q_data_type, self.kv_data_type = options["q_data_type"], options["kv_data_type"]
         self.qo_indptr = qo_indptr.clone()
         if self.graph:  # flashinfer's graph-mode rules (prefill.py, plan)
             assert self.qo_indptr_buf is not None

@@ -128,7 +128,8 @@ def test_boolean_options_take_both_spellings_and_given_flags_build_a_valid_confi
     args = parser.parse_args([
         "serve", "--model", "m", "--device", "cuda:1", "--dtype", "fp16", "--load-format",
         "dummy", "--page-size", "32", "--max-running-requests", "8", "--max-seq-len", "512",
-        "--kv-cache-gb", "1.5", "--num-pages", "100", "--seed", "7", "--cache-type", "naive",
+        "--kv-cache-gb", "1.5", "--kv-cache-dtype", "fp8_e5m2", "--num-pages", "100",
+        "--seed", "7", "--cache-type", "naive",
         "--cpu-fp32-compute", "off", "--no-cpu-kernels", "--cpu-threads", "3",
         "--no-batch-invariant",
         "--max-extend-tokens", "256", "--kv-events", "tcp://*:5557",
@@ -148,7 +149,7 @@ def test_boolean_options_take_both_spellings_and_given_flags_build_a_valid_confi
     assert config.kv_cache_gb == 1.5 and config.num_pages == 100 and config.seed == 7
     assert config.cuda_graph_max_prefill_tokens == 512 and config.tp_guard_interval == 4
     assert config.cpu_kernels is False and config.batch_invariant is False
-    assert config.cpu_threads == 3
+    assert config.cpu_threads == 3 and config.kv_cache_dtype == "fp8_e5m2"
     hash(config)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--cache-type", "lru"])

@@ -279,6 +279,7 @@ LoadFormat = Literal["auto", "dummy"]
 CacheType = Literal["radix", "naive"]
 CpuFp32Compute = Literal["auto", "on", "off"]
 AttentionBackend = Literal["auto", "torch", "flashinfer"]
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
 @frozen
@@ -310,6 +311,13 @@ class EngineConfig:
         means="on CPU room for max_running_requests sequences of max_seq_len, at most an "
               "eighth of the memory available; on CUDA what gpu_memory_utilization leaves "
               "after weights and activations")
+    kv_cache_dtype: KVCacheDtype = option(
+        "auto", choices=KVCacheDtype,
+        help="what the KV cache stores: auto (the model's dtype; float32 where the CPU "
+             "computes half precision in float32) or FP8, half the bytes of bf16: fp8_e4m3 "
+             "(fp8 is its alias) or fp8_e5m2, with a per-tensor scale of 1 and values "
+             "beyond the format's range saturated; not with batch_invariant. On a CPU it "
+             "runs through torch's attention, not the compiled kernels")
     num_pages: int | None = option(None, check=_positive,
                                    help="KV cache size in pages (overrides kv_cache_gb)",
                                    means="from kv_cache_gb")
@@ -393,6 +401,14 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         """The dtype of weights, activations and the KV cache."""
         return parse_dtype(self.dtype)
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype | None:
+        """The FP8 dtype ``kv_cache_dtype`` names; None for auto."""
+        import torch
+
+        return {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                "fp8_e5m2": torch.float8_e5m2}.get(self.kv_cache_dtype)
 
     @property
     def fp32_kernels(self) -> bool:

@@ -1,6 +1,7 @@
-"""The CUDA path on a GPU: flashinfer attention against the torch backend (bf16), CUDA-graph
-decode and prefill against eager, overlap on against off, seeded sampling on the GPU, float32
-through the torch backend against transformers, and no page or row left behind."""
+"""The CUDA path on a GPU: flashinfer attention against the torch backend (bf16; FP8 caches on
+the task the trained models solve), CUDA-graph decode and prefill against eager, overlap on
+against off, seeded sampling on the GPU, float32 through the torch backend against
+transformers, and no page or row left behind."""
 
 from __future__ import annotations
 
@@ -87,6 +88,25 @@ def test_flashinfer_equals_torch_backend_bf16(model: str, page_size: int,
     # The model really solves the task: the prompts' alternation goes on.
     assert ours == [alternating((p[len(p) % 2], p[(len(p) + 1) % 2]), TOKENS)
                     for p in prompts]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_cache_still_solves_the_task_on_both_backends(
+        trained_qwen3_dir: Path, kv_cache_dtype: str) -> None:
+    """flashinfer's FP8-KV decode and prefill kernels (graphs on) and the torch backend's
+    reading of FP8 pages: both go on with every prompt's alternation."""
+    prompts = alternation_prompts(seed=2)
+    want = [alternating((p[len(p) % 2], p[(len(p) + 1) % 2]), TOKENS) for p in prompts]
+    fi, llm = generate(trained_qwen3_dir, prompts, page_size=16, attention_backend="flashinfer",
+                       cuda_graph=True, kv_cache_dtype=kv_cache_dtype)
+    assert llm.runner.pool.k.dtype == llm.runner.kv_dtype != torch.bfloat16
+    assert llm.runner.pool.k.element_size() == 1
+    assert sum(g.replays for g in llm.runner.graphs.decode) > 0  # type: ignore[union-attr]
+    assert_nothing_held(llm)
+    llm.close()
+    ref, _ = generate(trained_qwen3_dir, prompts, page_size=16, attention_backend="torch",
+                      kv_cache_dtype=kv_cache_dtype)
+    assert fi == want and ref == want
 
 
 def test_cuda_graph_decode_equals_eager(trained_qwen3_dir: Path) -> None:

@@ -133,6 +133,10 @@ class FlashInferBackend:
     def __init__(self, spec: AttentionSpec) -> None:
         flashinfer = load_flashinfer(spec.device)
         self.fi, self.pool, self.device, self.dtype = flashinfer, spec.pool, spec.device, spec.dtype
+        # What the pages hold: the model's dtype or FP8 (read with the pool's scales).
+        self.kv_dtype = spec.pool.k.dtype
+        self.scales = ({} if spec.pool.k_scale == spec.pool.v_scale == 1.0 else
+                       {"k_scale": spec.pool.k_scale, "v_scale": spec.pool.v_scale})
         self.page_table, self.page_size = spec.page_table, spec.pool.page_size
         self.pad_page = spec.pad_page
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
@@ -183,7 +187,7 @@ class FlashInferBackend:
         """Attend over each request's pages (the new K, V are already in them), through
         the wrapper planned with this layer's window."""
         wrapper = meta.wrappers[full_if_wider(window, self.positions)]
-        out = wrapper.run(q.contiguous(), self._pages[layer])
+        out = wrapper.run(q.contiguous(), self._pages[layer], **self.scales)
         return out.view(q.shape[0], -1)
 
     def init_graph_state(self, shapes: Sequence[GraphShape]) -> None:
@@ -266,14 +270,14 @@ class FlashInferBackend:
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
             causal=True, window_left=window_left(window), sm_scale=self.scale,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype, seq_lens=host_lengths(layout.seq_lens)))
+            kv_data_type=self.kv_dtype, seq_lens=host_lengths(layout.seq_lens)))
 
     def _plan_decode(self, wrapper: Any, layout: PagedLayout, window: int | None) -> None:
         self._plan(wrapper, lambda: wrapper.plan(
             layout.indptr, layout.indices, layout.last_page_len, self.num_heads,
             self.num_kv_heads, self.head_dim, self.page_size,
             window_left=window_left(window), q_data_type=self.dtype,
-            kv_data_type=self.dtype, sm_scale=self.scale,
+            kv_data_type=self.kv_dtype, sm_scale=self.scale,
             seq_lens=host_lengths(layout.seq_lens)))
 
     def _plan(self, wrapper: Any, plan: Any) -> None:

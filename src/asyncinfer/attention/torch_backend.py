@@ -17,6 +17,7 @@ from asyncinfer.attention.host_to_device import upload
 from asyncinfer.core import Batch
 from asyncinfer.errors import ConfigError
 from asyncinfer.kernels import triton_invariant
+from asyncinfer.kvcache.pool import is_fp8
 
 if TYPE_CHECKING:
     from asyncinfer.kernels.cpu import NativeKernels
@@ -87,6 +88,12 @@ class TorchBackend:
         self.native: NativeKernels | None = None
         self.native_prefill = False
         self.invariant = spec.invariant
+        # What attention computes in: the pool's dtype; over an FP8 pool (read back and
+        # scaled) the queries' dtype, float32 on a CPU.
+        self.fp8 = is_fp8(spec.pool.k.dtype)
+        self.compute = spec.pool.k.dtype
+        if self.fp8:
+            self.compute = torch.float32 if spec.device.type == "cpu" else spec.dtype
         if spec.native and spec.device.type == "cpu":
             from asyncinfer.kernels.cpu import load
 
@@ -216,7 +223,7 @@ class TorchBackend:
         """Attend causally over each request's prefix, its last ``window`` keys where there is
         one (k, v are already in the pool)."""
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
-        out_dtype, dtype = q.dtype, k_pool.dtype
+        out_dtype, dtype = q.dtype, self.compute
         window = full_if_wider(window, self.positions)
         if meta.native is not None:
             assert self.decoder is not None
@@ -243,8 +250,10 @@ class TorchBackend:
                 seen = group.masks[window]
                 n, width = qg.shape[0], seen.shape[-1]
                 shape = (n, width, *k_pool.shape[1:])
-                keys = _gather_pages(k_pool, group.pages, self.pool.page_size).view(shape)
-                values = _gather_pages(v_pool, group.pages, self.pool.page_size).view(shape)
+                keys = self._read(_gather_pages(k_pool, group.pages, self.pool.page_size)
+                                  .view(shape), self.pool.k_scale)
+                values = self._read(_gather_pages(v_pool, group.pages, self.pool.page_size)
+                                    .view(shape), self.pool.v_scale)
                 res = F.scaled_dot_product_attention(
                     qg.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                     attn_mask=seen, scale=self.scale, enable_gqa=True).reshape(n, -1)
@@ -259,15 +268,16 @@ class TorchBackend:
                      meta: TorchMetadata, window: int | None) -> torch.Tensor:
         """SDPA request by request over ``meta.q_bounds`` (in the pool's dtype)."""
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
-        dtype = k_pool.dtype
+        dtype = self.compute
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         outs = []
         for (lo, hi), start, slots in zip(meta.q_bounds, meta.starts, meta.kv_slots):
             qr = q[lo:hi].transpose(0, 1).unsqueeze(0)             # [1, heads, n, dim]
-            if start == 0:  # nothing cached: the fresh k, v are the whole sequence
+            if start == 0 and not self.fp8:  # nothing cached: fresh k, v are all there is
                 kr, vr = k[lo:hi], v[lo:hi]
-            else:
-                kr, vr = k_pool.index_select(0, slots), v_pool.index_select(0, slots)
+            else:  # an FP8 pool is read back, as flashinfer reads it
+                kr = self._read(k_pool.index_select(0, slots), self.pool.k_scale)
+                vr = self._read(v_pool.index_select(0, slots), self.pool.v_scale)
             kr = kr.transpose(0, 1).unsqueeze(0)
             vr = vr.transpose(0, 1).unsqueeze(0)
             n, total = hi - lo, slots.numel()
@@ -284,6 +294,14 @@ class TorchBackend:
                 scale=self.scale, enable_gqa=True)
             outs.append(out.squeeze(0).transpose(0, 1).reshape(n, -1))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+    def _read(self, stored: torch.Tensor, scale: float) -> torch.Tensor:
+        """Keys or values of the pool in the dtype attention computes in."""
+        if not self.fp8:
+            return stored
+        out = stored.to(self.compute)
+        return out if scale == 1.0 else out.mul_(scale)
 
 
 class DecodeAttention(Protocol):

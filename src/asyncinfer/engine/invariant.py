@@ -50,6 +50,10 @@ def check_batch_invariant(config: EngineConfig, device: torch.device, dtype: tor
     own product kernels (AVX-512, AMX or AVX2), which multiply every row in one fixed order
     of sums whatever the number of rows, and bf16 weights they take. Past two
     tensor-parallel ranks the all-reduce's order follows the batch, anywhere."""
+    if config.kv_cache_torch_dtype is not None:
+        raise ConfigError(f"batch_invariant does not run with kv_cache_dtype "
+                          f"{config.kv_cache_dtype!r}: its attention kernels read bf16 or "
+                          f"float32 caches")
     if config.tensor_parallel_size > 2:
         raise ConfigError("batch_invariant runs on one or two tensor-parallel ranks: with "
                           "more, the all-reduce's order of sums follows the batch's size")

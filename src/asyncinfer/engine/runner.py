@@ -31,7 +31,7 @@ from asyncinfer.errors import ConfigError
 from asyncinfer.kernels import triton_invariant
 from asyncinfer.kernels.cpu import NativeKernels
 from asyncinfer.kernels.cpu import load as load_cpu_kernels
-from asyncinfer.kvcache.pool import KVPool, cpu_kv_budget
+from asyncinfer.kvcache.pool import KVPool, cpu_kv_budget, is_fp8
 from asyncinfer.layers.fused import INVARIANT_NORMS, LayerOps
 from asyncinfer.layers.linear import can_pack
 from asyncinfer.layers.packing import (
@@ -112,7 +112,8 @@ class ModelRunner:
                               f"{self.model.op_names.norm!r} of this model")
         return_free_heap()
         # With float32 kernels the cache holds half-precision values in float32 (exactly).
-        self.kv_dtype = torch.float32 if config.fp32_kernels else self.dtype
+        self.kv_dtype = config.kv_cache_torch_dtype or (
+            torch.float32 if config.fp32_kernels else self.dtype)
         cfg, page = self.shard_config, config.page_size
         self.page_size = page
         extra_pages = 1 if backend_cls.capturable else 0
@@ -140,7 +141,8 @@ class ModelRunner:
             invariant=self.batch_invariant))
         if kernels is not None and kernels.runs_layer_ops(self.dtype, cfg.hidden_size,
                                                           cfg.head_dim):
-            self.model.ops = LayerOps(self.model.op_names, native=kernels)
+            self.model.ops = LayerOps(self.model.op_names, native=kernels,
+                                      fp8_cache=is_fp8(self.kv_dtype))
         self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device,
                                argmax=None if kernels is None else kernels.argmax,
                                invariant=on_triton)
@@ -172,7 +174,8 @@ class ModelRunner:
                     f"rank {self.tp.rank} of {self.tp.size} on {self.device}: "
                     if self.tp.size > 1 else "", _size(weights), self.num_pages, page,
                     self.num_pages * page,
-                    _size(self.num_pages * page * cfg.kv_bytes_per_token(self.kv_dtype)),
+                    _size(self.num_pages * page * cfg.kv_bytes_per_token(self.kv_dtype))
+                    + (f" in {config.kv_cache_dtype}" if is_fp8(self.kv_dtype) else ""),
                     ("; float32 kernels for half-precision values" if config.fp32_kernels
                      else "") + (f"; {self.cpu_threads} CPU threads (cpu_threads sets "
                                  "them)" if self.cpu_threads else ""), backend_name,
@@ -194,7 +197,7 @@ class ModelRunner:
     def compile_layer_ops(self, backend: str = "inductor") -> None:
         """Run the model's layer ops through torch.compile, compiled now (pool still empty)."""
         self.model.ops = LayerOps(self.model.op_names, compile=True, backend=backend,
-                                  device=self.pool.k.device)
+                                  device=self.pool.k.device, fp8_cache=is_fp8(self.kv_dtype))
         self.model.ops.warm_up(self.model.warm_up_args(), self.rotary, self.pool.k[0],
                                self.pool.v[0])
 

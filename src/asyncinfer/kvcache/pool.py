@@ -6,6 +6,9 @@ import torch
 
 from asyncinfer.memory import zeros_huge
 
+# FP8 formats a pool may store (kv_cache_dtype), each with its largest finite value.
+FP8_DTYPES = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
 # The share of the memory available at start-up that the CPU pool may take by default.
 CPU_MEMORY_SHARE = 0.125
 
@@ -22,8 +25,24 @@ def cpu_kv_budget(bytes_per_token: int, context_len: int, max_running_requests: 
     return min(wanted, max(int(CPU_MEMORY_SHARE * available), one))
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a pool of ``dtype`` stores FP8 (read back in the model's dtype)."""
+    return dtype in FP8_DTYPES
+
+
+def narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the pool's ``dtype``; into FP8 divided by its scale (1) and saturated at the
+    format's largest finite value, as vLLM and SGLang store an unscaled FP8 cache."""
+    limit = FP8_DTYPES.get(dtype)
+    if limit is None:
+        return x.to(dtype)
+    return x.float().clamp(-limit, limit).to(dtype)
+
+
 class KVPool:
-    """K and V of every layer; a token's slot is ``page * page_size + offset``."""
+    """K and V of every layer; a token's slot is ``page * page_size + offset``. An FP8 pool
+    holds K / k_scale and V / v_scale (per-tensor scales; 1, as no calibrated scales are
+    loaded) and its readers multiply back."""
 
     def __init__(
         self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -31,6 +50,7 @@ class KVPool:
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
+        self.k_scale = self.v_scale = 1.0
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         if device.type == "cpu":  # huge pages, and memory committed only as pages fill
             self.k = zeros_huge(shape, dtype)
@@ -44,8 +64,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Write new tokens' K and V into their slots of one layer's caches (the fused path is
     layers.fused.qk_norm_rope_store)."""
-    k_cache[slots] = k.to(k_cache.dtype)
-    v_cache[slots] = v.to(v_cache.dtype)
+    k_cache[slots] = narrow(k, k_cache.dtype)
+    v_cache[slots] = narrow(v, v_cache.dtype)
 
 
 class PageAllocator:

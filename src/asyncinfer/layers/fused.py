@@ -218,11 +218,13 @@ class WarmUpArgs:
 class LayerOps:
     """The ops a layer calls (``norm``, ``add_norm``, ``qk_norm_rope_store``, ``act``):
     C where ``native`` has them, else Triton when compiled where it runs, else torch;
-    ``invariant``: the batch-invariant mode's Triton norms and eager torch for the rest."""
+    ``invariant``: the batch-invariant mode's Triton norms and eager torch for the rest;
+    ``fp8_cache``: the KV store writes an FP8 pool, which the C kernel does not."""
 
     def __init__(self, names: OpNames | None = None, compile: bool = False,
                  backend: str = "inductor", device: torch.device | None = None,
-                 native: NativeKernels | None = None, invariant: bool = False) -> None:
+                 native: NativeKernels | None = None, invariant: bool = False,
+                 fp8_cache: bool = False) -> None:
         names = names or OpNames()
         self.names, self.compiled = names, compile and not invariant
         self.triton = compile and device is not None and triton_ops.available(device, "rope")
@@ -234,7 +236,8 @@ class LayerOps:
         norm, add_norm = NORMS[names.norm]
         self.norm = self._pick(norm, backend, native)
         self.add_norm = self._pick(add_norm, backend, native)
-        self.qk_norm_rope_store = self._pick(QK_NORM_ROPE_STORES[names.norm], backend, native)
+        self.qk_norm_rope_store = self._pick(QK_NORM_ROPE_STORES[names.norm], backend,
+                                             None if fp8_cache else native)
         self.act = self._pick(ACTIVATIONS[names.activation], backend, native)
 
     def _pick(self, op: Op, backend: str, native: NativeKernels | None) -> Callable[..., Any]:

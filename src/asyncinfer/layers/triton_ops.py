@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from asyncinfer.kvcache.pool import FP8_DTYPES
+
 Tensor = torch.Tensor
 
 try:
@@ -53,7 +55,8 @@ if triton is not None:
             k_cache, v_cache, k_cache_stride, v_cache_stride, slots, eps,
             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
             GROUP: tl.constexpr, Q_GROUPS: tl.constexpr, KV_GROUPS: tl.constexpr,
-            NORM: tl.constexpr) -> None:
+            NORM: tl.constexpr, KV_MAX: tl.constexpr) -> None:
+        # KV_MAX > 0: an FP8 cache, whose values saturate at +-KV_MAX.
         # Program (token, g): q's heads [g * GROUP, ...) for g < Q_GROUPS, then k's groups
         # (rotated, and written to the cache too), then v's (written to the cache).
         token = tl.program_id(0).to(tl.int64)
@@ -86,6 +89,9 @@ if triton is not None:
                 tl.store(dst, o1.to(dtype), mask=live)
                 tl.store(dst + HALF, o2.to(dtype), mask=live)
                 dst = k_cache + slot * k_cache_stride + (first + head) * dim + lo
+                if KV_MAX > 0:
+                    o1 = tl.minimum(tl.maximum(o1, -KV_MAX), KV_MAX)
+                    o2 = tl.minimum(tl.maximum(o2, -KV_MAX), KV_MAX)
                 tl.store(dst, o1.to(k_cache.dtype.element_ty), mask=live)
                 tl.store(dst + HALF, o2.to(k_cache.dtype.element_ty), mask=live)
         else:  # v: stored as it is
@@ -93,9 +99,13 @@ if triton is not None:
             live = head < KV_HEADS - first
             src = row + (HEADS + KV_HEADS + first + head) * dim + lo
             dst = v_cache + slot * v_cache_stride + (first + head) * dim + lo
-            tl.store(dst, tl.load(src, mask=live).to(v_cache.dtype.element_ty), mask=live)
-            tl.store(dst + HALF, tl.load(src + HALF, mask=live).to(v_cache.dtype.element_ty),
-                     mask=live)
+            v1 = tl.load(src, mask=live).to(tl.float32)
+            v2 = tl.load(src + HALF, mask=live).to(tl.float32)
+            if KV_MAX > 0:
+                v1 = tl.minimum(tl.maximum(v1, -KV_MAX), KV_MAX)
+                v2 = tl.minimum(tl.maximum(v2, -KV_MAX), KV_MAX)
+            tl.store(dst, v1.to(v_cache.dtype.element_ty), mask=live)
+            tl.store(dst + HALF, v2.to(v_cache.dtype.element_ty), mask=live)
 
     @triton.jit
     def _hash32(x):
@@ -193,5 +203,6 @@ def qk_norm_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor |
             q_weight if norm else q, k_weight if norm else k, q, k, k_cache, v_cache,
             k_cache.stride(0), v_cache.stride(0), slots, eps, HEADS=heads,
             KV_HEADS=kv_heads, HALF=head_dim // 2, GROUP=group, Q_GROUPS=q_groups,
-            KV_GROUPS=kv_groups, NORM=norm, num_warps=warps)
+            KV_GROUPS=kv_groups, NORM=norm, KV_MAX=FP8_DTYPES.get(k_cache.dtype, 0.0),
+            num_warps=warps)
     return q, k, v
