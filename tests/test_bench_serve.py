@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import json
 import logging
+import re
 import socket
 import threading
 from collections import Counter
@@ -30,6 +31,7 @@ from asyncinfer.bench.scrape import check_drained, parse_gauges
 from asyncinfer.bench.search import Slo, bisect_rates
 from asyncinfer.bench.serve import add_parser, main, plan_run
 from asyncinfer.bench.traffic import chat, draw_labels, tenant_arrivals
+from asyncinfer.bench.workload_file import read_workload_file, write_workload_file
 from asyncinfer.errors import AsyncInferError
 
 FAST = 0.002  # seconds before each chunk of a normal request
@@ -852,3 +854,82 @@ def test_flags_that_do_not_go_together_are_refused(options: list[str], message: 
     # Refused before any request: the URL is never reached.
     with pytest.raises(AsyncInferError, match=message):
         main(parse("--url", "http://127.0.0.1:9", *options))
+
+
+def test_a_workload_file_sends_its_requests_whole_and_in_order(tmp_path: Path) -> None:
+    """Prompts, lengths and sampling as written; what a file leaves out is not sent."""
+    path = tmp_path / "workload.json"
+    path.write_text(json.dumps({"requests": [
+        {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0.6, "top_p": 0.9, "seed": 11},
+        {"prompt": [8], "max_tokens": 2},
+        {"prompt": [9, 10], "max_tokens": 1, "temperature": 1.5}]}))
+    server = FakeServer(delay=0)
+    status, report = bench(server, tmp_path, "--concurrency", "1", "--workload-file", str(path))
+    assert status == 0 and report["completed"] == 3
+    sent = [(b["prompt"], b["max_tokens"], b["temperature"], b.get("top_p"), b.get("seed"))
+            for b in server.bodies]
+    assert sent == [([5, 6, 7], 3, 0.6, 0.9, 11), ([8], 2, 0.0, None, None),
+                    ([9, 10], 1, 1.5, None, None)]
+    assert all(b["ignore_eos"] for b in server.bodies)
+    assert [r["output_tokens"] for r in report["requests"]] == [3, 2, 1]
+    p = report["params"]
+    assert p["num_requests"] == 3 and p["workload_file"] == str(path)
+    assert (p["input_tokens"], p["output_tokens_planned"]) == (6, 6)
+    assert p["temperatures"] == [0.0, 0.6, 1.5]
+
+
+def test_a_written_workload_file_reads_back_as_the_same_requests(tmp_path: Path) -> None:
+    prompts, lengths = [[1, 2], [3, 4, 5]], [7, 9]
+    specs = read_workload_file(write_workload_file(tmp_path / "w.json", prompts, lengths,
+                                                   temperature=0.6))
+    assert [(list(s.prompt), s.output_len, s.temperature, s.top_p, s.seed) for s in specs] == [
+        ([1, 2], 7, 0.6, 1.0, None), ([3, 4, 5], 9, 0.6, 1.0, None)]
+
+
+@pytest.mark.parametrize(("requests", "message"), [
+    ([], "holds no request"),
+    ([{"prompt": [], "max_tokens": 2}], "request 0: prompt must be a non-empty list"),
+    ([{"prompt": [1], "max_tokens": 2}, {"prompt": ["a"], "max_tokens": 2}],
+     "request 1: prompt must be a non-empty list of token ids"),
+    ([{"prompt": [-1], "max_tokens": 2}], "request 0: prompt must be"),
+    ([{"prompt": [1], "max_tokens": 0}], "request 0: max_tokens must be an integer >= 1"),
+    ([{"prompt": [1], "max_tokens": True}], "max_tokens must be an integer >= 1, got True"),
+    ([{"prompt": [1], "max_tokens": 2, "temperature": -1}], "temperature must be a number"),
+    ([{"prompt": [1], "max_tokens": 2, "temperature": float("nan")}],
+     "temperature must be a number"),
+    ([{"prompt": [1], "max_tokens": 2, "top_p": 0}], "top_p must be a number in"),
+    ([{"prompt": [1], "max_tokens": 2, "seed": 1.5}], "seed must be an integer"),
+    ([{"prompt": [1], "max_tokens": 2, "stop": ["x"]}], "unknown field(s) stop"),
+    (["text"], "request 0: expected an object, got str"),
+])
+def test_a_malformed_workload_file_is_refused_naming_the_request(
+        tmp_path: Path, requests: list[Any], message: str) -> None:
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"requests": requests}))
+    with pytest.raises(AsyncInferError) as info:
+        read_workload_file(path)
+    assert message in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "is not JSON"), ('{"prompts": []}', 'must hold {"requests": [...]}'),
+    ("[1, 2]", 'must hold {"requests": [...]}')])
+def test_a_workload_file_that_is_not_one_is_refused(tmp_path: Path, text: str,
+                                                    message: str) -> None:
+    path = tmp_path / "w.json"
+    path.write_text(text)
+    with pytest.raises(AsyncInferError, match=re.escape(message)):
+        read_workload_file(path)
+    with pytest.raises(AsyncInferError, match="cannot read the workload file"):
+        read_workload_file(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("flags", [["--num-requests", "5"], ["--input-len", "8"],
+                                   ["--workload", "chat"], ["--prefix-groups", "2"],
+                                   ["--output-len-range", "2,4"]])
+def test_a_workload_file_refuses_the_flags_that_would_plan_requests(
+        tmp_path: Path, flags: list[str]) -> None:
+    path = write_workload_file(tmp_path / "w.json", [[1]], [1])
+    with pytest.raises(AsyncInferError, match=f"--workload-file holds the requests whole.*"
+                                              f"drop {re.escape(flags[0])}"):
+        main(parse("--workload-file", str(path), *flags))

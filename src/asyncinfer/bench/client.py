@@ -134,8 +134,12 @@ class _Client:
         prompt: str | list[int] = as_text(spec.prompt) if self.text else list(spec.prompt)
         payload: dict[str, Any] = {
             "model": self.model, "prompt": prompt, "max_tokens": spec.output_len,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True}
+            "temperature": spec.temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+        if spec.top_p != 1.0:
+            payload["top_p"] = spec.top_p
+        if spec.seed is not None:
+            payload["seed"] = spec.seed
         headers = self.headers
         if spec.tenant is not None:
             payload["user"] = spec.tenant

@@ -16,7 +16,8 @@ DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 128, 64  # of --workload uniform
 @frozen
 class RequestSpec:
     """One planned request. ``hangup_after``: the client closes the stream after that many
-    text chunks (None: reads to the end); ``tenant``, ``priority``: None is not sent."""
+    text chunks (None: reads to the end); ``tenant``, ``priority``, ``seed``: None is not
+    sent; ``temperature``, ``top_p``: its sampling (greedy by default)."""
 
     prompt: tuple[int, ...]
     output_len: int
@@ -24,6 +25,9 @@ class RequestSpec:
     tenant: str | None = None
     priority: int | None = None
     long: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 def arrival_schedule(num_requests: int, rate: float, seed: int,

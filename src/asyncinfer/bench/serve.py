@@ -38,6 +38,7 @@ from asyncinfer.bench.traffic import (
     tenant_arrivals,
     tenant_name,
 )
+from asyncinfer.bench.workload_file import read_workload_file
 from asyncinfer.bench.workloads import (
     NAMED_WORKLOADS,
     check_workload_flags,
@@ -47,6 +48,7 @@ from asyncinfer.errors import AsyncInferError
 
 DEFAULT_LONG_FACTOR = 30.0  # of --long-fraction
 DEFAULT_MAX_PROBES = 6  # of --rate-search
+DEFAULT_NUM_REQUESTS = 64
 PROBE_SHIFT = 7919  # a probe's prompt ids move by this times its index (prime to their range)
 
 # The --help text.
@@ -80,8 +82,28 @@ def slo_of(args: argparse.Namespace) -> Slo:
     return Slo(args.slo_tbt_p99_ms, args.slo_ttft_p99_ms)
 
 
+def _check_workload_file(args: argparse.Namespace) -> None:
+    """``--workload-file`` holds the requests whole: refuse the flags that would plan them."""
+    planning = [flag for flag, value in (
+        ("--num-requests", args.num_requests), ("--input-mean", args.input_mean),
+        ("--output-mean", args.output_mean), ("--input-len", args.input_len),
+        ("--output-len", args.output_len), ("--input-len-range", args.input_len_range),
+        ("--output-len-range", args.output_len_range), ("--prefix-groups", args.prefix_groups),
+        ("--prefix-len", args.prefix_len), ("--long-fraction", args.long_fraction),
+        ("--long-factor", args.long_factor), ("--long-input-range", args.long_input_range),
+        ("--long-output-range", args.long_output_range),
+        ("--max-input-len", args.max_input_len)) if value is not None]
+    if args.workload != "uniform":
+        planning.insert(0, "--workload")
+    if planning:
+        raise AsyncInferError(f"--workload-file holds the requests whole (prompts, lengths, "
+                              f"sampling): drop {' and '.join(planning)}")
+
+
 def _check_options(args: argparse.Namespace) -> None:
     """Refuse flags that would be silently ignored together (AsyncInferError)."""
+    if args.workload_file is not None:
+        _check_workload_file(args)
     chat_only = [flag for flag, value in (("--input-mean", args.input_mean),
                                           ("--output-mean", args.output_mean)) if value]
     if args.workload != "chat" and chat_only:
@@ -127,11 +149,14 @@ def plan_run(args: argparse.Namespace
              ) -> tuple[list[RequestSpec], list[float] | None, list[str] | None, float]:
     """The requests the flags ask for, their send times (None: a closed loop), their tenants
     (None: untenanted) and the total rate."""
-    if args.workload in NAMED_WORKLOADS:
-        specs = workload_from_flags(args).requests(args.num_requests, args.seed)
+    count = DEFAULT_NUM_REQUESTS if args.num_requests is None else args.num_requests
+    if args.workload_file is not None:
+        specs = read_workload_file(args.workload_file)
+    elif args.workload in NAMED_WORKLOADS:
+        specs = workload_from_flags(args).requests(count, args.seed)
     else:
         input_dist, output_dist = workload_lengths(args)
-        specs = make_requests(args.num_requests, input_dist, output_dist, args.seed,
+        specs = make_requests(count, input_dist, output_dist, args.seed,
                               args.prefix_groups or 0, args.prefix_len or 0)
         if args.long_fraction:
             specs = plan_long(specs, args.long_fraction, _long_factor(args), args.seed,
@@ -161,7 +186,17 @@ def _long_factor(args: argparse.Namespace) -> float:
 
 
 def _length_params(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str, Any]:
-    """The report's record of the lengths: the distributions, or the named workload's."""
+    """The report's record of the lengths: the distributions, or the named workload's, or
+    the workload file's."""
+    if args.workload_file is not None:
+        prompts, outputs = [len(s.prompt) for s in specs], [s.output_len for s in specs]
+        return {"input_len": [min(prompts), max(prompts)],
+                "output_len": [min(outputs), max(outputs)], "input_dist": None,
+                "output_dist": None, "workload_spec": None, "long_fraction": 0.0,
+                "long_factor": None, "prefix_groups": 0, "prefix_len": 0,
+                "workload_file": str(args.workload_file),
+                "input_tokens": sum(prompts), "output_tokens_planned": sum(outputs),
+                "temperatures": sorted({s.temperature for s in specs})}
     if args.workload in NAMED_WORKLOADS:
         workload = workload_from_flags(args)
         prompts, outputs = [len(s.prompt) for s in specs], [s.output_len for s in specs]
@@ -258,7 +293,7 @@ def main(args: argparse.Namespace) -> int:
             "burst" if math.isinf(rate) else "gamma" if args.arrival == "gamma" else "poisson")
     params = {"url": base, "model": model, "policy": args.policy, "load": load,
               "rate": rate if load in ("poisson", "gamma", "rate_search") else None,
-              "concurrency": args.concurrency, "num_requests": args.num_requests,
+              "concurrency": args.concurrency, "num_requests": len(specs),
               "workload": args.workload, **_length_params(args, specs),
               "arrival": args.arrival, "burstiness": args.burstiness,
               "tenants": args.tenants, "tenant_rates": args.tenant_rates,
@@ -327,8 +362,15 @@ def add_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-probes", type=argtypes.at_least_int(2), default=None,
                         help=f"--rate-search runs at most this many probes (default "
                              f"{DEFAULT_MAX_PROBES})")
-    parser.add_argument("--num-requests", type=argtypes.positive_int, default=64,
-                        help="requests to send")
+    parser.add_argument("--num-requests", type=argtypes.positive_int, default=None,
+                        help=f"requests to send (default: {DEFAULT_NUM_REQUESTS})")
+    parser.add_argument("--workload-file", default=None, metavar="FILE",
+                        help="send the requests of FILE, written out whole, in its order: "
+                             "JSON {\"requests\": [{\"prompt\": [ids], \"max_tokens\": N, "
+                             "\"temperature\": T, \"top_p\": P, \"seed\": S}, ...]} "
+                             "(temperature 0, top_p 1, no seed where left out; EOS ignored), "
+                             "the same requests an offline run can generate. Takes no "
+                             "length or workload flag")
     parser.add_argument("--workload", choices=(*WORKLOADS, *NAMED_WORKLOADS),
                         default="uniform",
                         help="lengths: uniform (--input-len, --input-len-range ...), or chat: "
