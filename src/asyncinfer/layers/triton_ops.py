@@ -88,24 +88,26 @@ if triton is not None:
                 dst = k_out + (token * KV_HEADS + first) * dim + head * dim + lo
                 tl.store(dst, o1.to(dtype), mask=live)
                 tl.store(dst + HALF, o2.to(dtype), mask=live)
-                dst = k_cache + slot * k_cache_stride + (first + head) * dim + lo
+                # Its own name: Triton wants one type per name across branches, and the
+                # cache's element type may differ from the activations' (FP8).
+                k_dst = k_cache + slot * k_cache_stride + (first + head) * dim + lo
                 if KV_MAX > 0:
                     o1 = tl.minimum(tl.maximum(o1, -KV_MAX), KV_MAX)
                     o2 = tl.minimum(tl.maximum(o2, -KV_MAX), KV_MAX)
-                tl.store(dst, o1.to(k_cache.dtype.element_ty), mask=live)
-                tl.store(dst + HALF, o2.to(k_cache.dtype.element_ty), mask=live)
+                tl.store(k_dst, o1.to(k_cache.dtype.element_ty), mask=live)
+                tl.store(k_dst + HALF, o2.to(k_cache.dtype.element_ty), mask=live)
         else:  # v: stored as it is
             first = (group - Q_GROUPS - KV_GROUPS) * GROUP
             live = head < KV_HEADS - first
             src = row + (HEADS + KV_HEADS + first + head) * dim + lo
-            dst = v_cache + slot * v_cache_stride + (first + head) * dim + lo
+            v_dst = v_cache + slot * v_cache_stride + (first + head) * dim + lo
             v1 = tl.load(src, mask=live).to(tl.float32)
             v2 = tl.load(src + HALF, mask=live).to(tl.float32)
             if KV_MAX > 0:
                 v1 = tl.minimum(tl.maximum(v1, -KV_MAX), KV_MAX)
                 v2 = tl.minimum(tl.maximum(v2, -KV_MAX), KV_MAX)
-            tl.store(dst, v1.to(v_cache.dtype.element_ty), mask=live)
-            tl.store(dst + HALF, v2.to(v_cache.dtype.element_ty), mask=live)
+            tl.store(v_dst, v1.to(v_cache.dtype.element_ty), mask=live)
+            tl.store(v_dst + HALF, v2.to(v_cache.dtype.element_ty), mask=live)
 
     @triton.jit
     def _hash32(x):
