@@ -161,3 +161,35 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         # flashinfer's own host arithmetic on the query offsets (prefill.py)
         host = qo_indptr.to("cpu")
         assert max(host[1:] - host[:-1]).item() == int((host[1:] - host[:-1]).max())
+
+
+def xqa_batch_decode_with_kv_cache(
+        query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        workspace_buffer: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+        max_seq_len: int, bmm1_scale: float = 1.0, bmm2_scale: float = 1.0,
+        window_left: int = -1, **options: Any) -> torch.Tensor:
+    """flashinfer's XQA decode (decode.py): one query per row over the pages its row of
+    ``block_tables`` lists, ``seq_lens[i]`` keys long; logits scaled by ``bmm1_scale``,
+    the output by ``bmm2_scale``. Its SM90 kernels take e4m3 pages, int32 tables of a
+    width that sets ``max_seq_len``, and its workspace's head as zeroed semaphores."""
+    k_pages, v_pages = kv_cache
+    assert k_pages.dtype == v_pages.dtype == torch.float8_e4m3fn, k_pages.dtype
+    assert block_tables.dtype == seq_lens.dtype == torch.int32
+    assert query.dim() == 3 and block_tables.shape[0] == seq_lens.shape[0] == query.shape[0]
+    page_size = k_pages.shape[1]
+    assert block_tables.shape[1] * page_size == max_seq_len
+    assert int(seq_lens.max()) <= max_seq_len and int(seq_lens.min()) >= 1
+    assert workspace_buffer.dtype == torch.uint8 and workspace_buffer.numel() > 8 * 2**20
+    out = torch.empty_like(query)
+    group = query.shape[1] // k_pages.shape[2]
+    for i in range(query.shape[0]):
+        n = int(seq_lens[i])
+        pages = block_tables[i, : -(-n // page_size)].long()
+        keys = k_pages[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        values = v_pages[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        if window_left >= 0:  # the query at position n - 1 sees n - 1 - window_left ..
+            keys, values = keys[max(0, n - 1 - window_left):], values[max(0, n - 1 - window_left):]
+        logits = torch.einsum("hd,nhd->hn", query[i].float(), keys) * bmm1_scale
+        out[i] = (torch.einsum("hn,nhd->hd", logits.softmax(-1), values)
+                  * bmm2_scale).to(query.dtype)
+    return out

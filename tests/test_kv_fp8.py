@@ -17,6 +17,8 @@ from benchmarks.kv_quality import compare
 
 import tests.fake_flashinfer as fake_flashinfer
 from asyncinfer.api import LLM
+from asyncinfer.attention.flashinfer_backend import FlashInferBackend
+from asyncinfer.attention.xqa_decode import XqaDecode, block_tables
 from asyncinfer.config import EngineConfig
 from asyncinfer.errors import ConfigError
 from asyncinfer.kvcache.pool import FP8_DTYPES, narrow, store_kv
@@ -99,25 +101,46 @@ def fake_fi(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("fake_fi")
-@pytest.mark.parametrize("cuda_graph", [False, True])
+@pytest.mark.parametrize(("kv_cache_dtype", "xqa_device", "cuda_graph"), [
+    ("fp8_e4m3", False, True), ("fp8_e4m3", True, True), ("fp8_e4m3", True, False),
+    ("fp8_e5m2", True, True)])
 def test_flashinfer_over_fp8_pages_gives_the_torch_backends_tokens(
-        tiny_qwen3_dir: Path, cuda_graph: bool) -> None:
+        tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str,
+        xqa_device: bool, cuda_graph: bool) -> None:
     """Planned with the pages' dtype (the stand-in refuses pages of another), decode and
-    prefill read FP8 pages back as the torch backend does: the same greedy tokens."""
+    prefill read FP8 pages back as the torch backend does: the same greedy tokens. Where
+    XQA runs (``xqa_device``: a GPU it is built for, stood in for here) decode batches of
+    e4m3 pages take it, eager and graphed; e5m2 pages stay with the decode wrapper."""
+    monkeypatch.setattr("asyncinfer.attention.xqa_decode.supported_device",
+                        lambda device: xqa_device)
     prompts, _ = reference(tiny_qwen3_dir)
     options: dict[str, object] = {"dtype": "float32", "max_running_requests": 5,
                                   "max_seq_len": 256, "num_pages": 600,
-                                  "kv_cache_dtype": "fp8_e4m3", "skip_tokenizer_init": True}
+                                  "kv_cache_dtype": kv_cache_dtype, "skip_tokenizer_init": True}
     torch_llm = LLM(str(tiny_qwen3_dir), attention_backend="torch", **options)
     fi_llm = LLM(str(tiny_qwen3_dir), attention_backend="flashinfer", cuda_graph=cuda_graph,
                  cuda_graph_max_bs=6, **options)
-    assert fi_llm.runner.pool.k.dtype == E4M3
+    backend = fi_llm.runner.backend
+    assert isinstance(backend, FlashInferBackend)
+    assert backend.xqa == (xqa_device and kv_cache_dtype == "fp8_e4m3")
+    assert all(isinstance(w, XqaDecode) == backend.xqa for w in backend.decode.values())
     want = [o.token_ids for o in torch_llm.generate(prompts, GREEDY, use_tqdm=False)]
     got = [o.token_ids for o in fi_llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == want
+    graphs = fi_llm.runner.graphs
     if cuda_graph:
-        assert fi_llm.runner.graphs is not None
-        assert sum(g.replays for g in fi_llm.runner.graphs.decode) > 0
+        assert graphs is not None and sum(g.replays for g in graphs.decode) > 0
+        for g in graphs.decode:
+            assert all(isinstance(w, XqaDecode) == backend.xqa
+                       for w in g.context.meta.wrappers.values())
+
+
+def test_xqa_block_tables_list_each_rows_pages_then_the_padding() -> None:
+    page_table = torch.arange(4 * 64, dtype=torch.int32).view(4, 64).flip(0).contiguous()
+    tables = block_tables(page_table, [2, 0], page_size=16, pad_rows=2, pad_page=99)
+    assert tables.dtype == torch.int32 and tables.shape == (4, 4)
+    assert tables[0].tolist() == [4, 5, 6, 7] and tables[1].tolist() == [12, 13, 14, 15]
+    assert tables[2:].eq(99).all()
 
 
 _TRITON_STORE_CHECK = """

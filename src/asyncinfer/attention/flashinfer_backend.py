@@ -14,6 +14,12 @@ from attrs import frozen
 
 from asyncinfer.attention.base import AttentionSpec, GraphShape, full_if_wider
 from asyncinfer.attention.host_to_device import pin, upload
+from asyncinfer.attention.xqa_decode import (
+    XQA_WORKSPACE_BYTES,
+    XqaDecode,
+    block_tables,
+    decodes_with_xqa,
+)
 from asyncinfer.core import Batch
 from asyncinfer.errors import ConfigError
 
@@ -149,9 +155,12 @@ class FlashInferBackend:
         # so the wrappers share the float workspace.
         self.prefill = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend="fa2") for w in self.windows}
-        self.decode = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
-            for w in self.windows}
+        # Decode over e4m3 pages takes XQA where it runs (its own workspace: the head of
+        # it holds semaphores that other kernels must not write).
+        self.xqa = decodes_with_xqa(flashinfer, self.device, self.kv_dtype, self.page_size)
+        self._xqa_workspace = (torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8,
+                                           device=self.device) if self.xqa else None)
+        self.decode = {w: self._decode_wrapper(w) for w in self.windows}
         self._plan_events: dict[int, torch.cuda.Event] = {}
         pool = spec.pool
         shape = (pool.num_pages, pool.page_size, self.num_kv_heads, self.head_dim)
@@ -169,8 +178,32 @@ class FlashInferBackend:
                               "bf16 and fp8); use bfloat16 or float16, or "
                               "attention_backend='torch' for float32")
 
+    def _decode_wrapper(self, window: int | None, rows: int | None = None,
+                        buffers: GraphBuffers | None = None) -> Any:
+        """A decode wrapper for ``window``: XQA's, or flashinfer's (in graph mode on
+        ``buffers`` for a graph of ``rows`` rows)."""
+        if self.xqa:
+            assert self._xqa_workspace is not None
+            return XqaDecode(self.fi, self._xqa_workspace, self.page_size,
+                             -(-self.positions // self.page_size), self.scale,
+                             window_left(window), self.device, self.pool.k_scale,
+                             self.pool.v_scale, rows=rows)
+        if buffers is None:
+            return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
+        assert rows is not None
+        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=buffers.indptr[: rows + 1],
+            paged_kv_indices_buffer=buffers.indices,
+            paged_kv_last_page_len_buffer=buffers.last_page_len[:rows])
+
     def plan(self, batch: Batch, out_loc: torch.Tensor) -> FlashInferMetadata:
         """Plan the decode wrapper for a decode batch, the prefill wrapper for any other."""
+        if batch.phase == "decode" and self.xqa:
+            self._plan_xqa(self.decode, batch.rows, batch.ends)
+            return FlashInferMetadata(self.decode, out_loc)
         layout = self._staged(paged_layout(self.page_table, batch.rows, batch.ends,
                                            self.page_size))
         if batch.phase == "decode":
@@ -214,17 +247,13 @@ class FlashInferBackend:
         """A graph-mode wrapper for ``shape`` on the shared layout buffers."""
         buffers = self._graph_buffers
         assert buffers is not None, "init_graph_state first"
-        return FlashInferMetadata({w: self._graph_wrapper(shape, buffers) for w in self.windows},
-                                  out_loc, shape)
+        return FlashInferMetadata({w: self._graph_wrapper(shape, buffers, w)
+                                   for w in self.windows}, out_loc, shape)
 
-    def _graph_wrapper(self, shape: GraphShape, buffers: GraphBuffers) -> Any:
+    def _graph_wrapper(self, shape: GraphShape, buffers: GraphBuffers,
+                       window: int | None) -> Any:
         if shape.phase == "decode":
-            return self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True,
-                use_tensor_cores=self.decode_tensor_cores,
-                paged_kv_indptr_buffer=buffers.indptr[: shape.rows + 1],
-                paged_kv_indices_buffer=buffers.indices,
-                paged_kv_last_page_len_buffer=buffers.last_page_len[: shape.rows])
+            return self._decode_wrapper(window, shape.rows, buffers)
         return self.fi.BatchPrefillWithPagedKVCacheWrapper(
             self._graph_workspace, "NHD", use_cuda_graph=True,
             qo_indptr_buf=buffers.qo_indptr[: shape.rows + 1],
@@ -239,6 +268,9 @@ class FlashInferBackend:
         shape = meta.graph
         assert shape is not None and self.pad_page is not None
         spare = shape.rows - len(rows)
+        if shape.phase == "decode" and self.xqa:
+            self._plan_xqa(meta.wrappers, rows, ends, spare)
+            return
         if shape.phase == "decode":
             layout = self._staged(paged_layout(
                 self.page_table, rows, ends, self.page_size, pad_lens=[1] * spare,
@@ -254,6 +286,16 @@ class FlashInferBackend:
             pad_lens=[1] * (spare - 1) + [max(padding, 1)], pad_page=self.pad_page))
         for window, wrapper in meta.wrappers.items():
             self._plan_prefill(wrapper, qo_lens, layout, window)
+
+    def _plan_xqa(self, wrappers: dict[int | None, Any], rows: Sequence[int],
+                  ends: Sequence[int], spare: int = 0) -> None:
+        """XQA's block tables and lengths for the batch, ``spare`` padding rows of one
+        token on the pad page after it; every window's wrapper takes the same."""
+        tables = block_tables(self.page_table, rows, self.page_size, spare,
+                              self.pad_page or 0)
+        lens = torch.tensor([*ends, *([1] * spare)], dtype=torch.int32)
+        for wrapper in wrappers.values():
+            wrapper.plan(tables, lens)
 
     def _staged(self, layout: PagedLayout) -> PagedLayout:
         return PagedLayout(pin(layout.indptr, self.device), upload(layout.indices, self.device),
