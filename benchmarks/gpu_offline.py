@@ -300,7 +300,9 @@ def main(args: Any) -> int:
             peer = {"engine": "transformers continuous batching", "error": repr(exc)}
         log(json.dumps(peer))
     report = {
-        "benchmark": "offline-gpu (nano-vllm workload)", "model": f"{model_dir.name} "
+        "benchmark": "offline-gpu (nano-vllm workload)",
+        "command": "python -m benchmarks.offline " + " ".join(sys.argv[1:]),
+        "model": f"{model_dir.name} "
         f"({'dummy weights' if args.shape else config.load_format})", "dtype": config.dtype,
         "kv_cache_dtype": config.kv_cache_dtype, "gpu": torch.cuda.get_device_name(device),
         "torch": torch.__version__,

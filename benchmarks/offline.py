@@ -126,7 +126,9 @@ def main(args: argparse.Namespace) -> int:
     ratios = {r["engine"]: statistics.median(x["asyncinfer_is"] for x in results
                                              if x["engine"] == r["engine"])
               for r in results if r["engine"] != "asyncinfer"}
-    report = {"benchmark": f"offline-{args.workload}", "model": model_dir.name,
+    report = {"benchmark": f"offline-{args.workload}",
+              "command": "python -m benchmarks.offline " + " ".join(sys.argv[1:]),
+              "model": model_dir.name,
               "dtype": config.dtype, "device": config.device, "requests": len(prompts),
               "output_tokens": sum(max_tokens), "threads": torch.get_num_threads(),
               "machine": machine(), "rounds": args.rounds,
