@@ -171,14 +171,14 @@ def xqa_batch_decode_with_kv_cache(
     """flashinfer's XQA decode (decode.py): one query per row over the pages its row of
     ``block_tables`` lists, ``seq_lens[i]`` keys long; logits scaled by ``bmm1_scale``,
     the output by ``bmm2_scale``. Its SM90 kernels take e4m3 pages, int32 tables of a
-    width that sets ``max_seq_len``, and its workspace's head as zeroed semaphores."""
+    width (which sets the longest length, whatever ``max_seq_len`` says), and its
+    workspace's head as zeroed semaphores."""
     k_pages, v_pages = kv_cache
     assert k_pages.dtype == v_pages.dtype == torch.float8_e4m3fn, k_pages.dtype
     assert block_tables.dtype == seq_lens.dtype == torch.int32
     assert query.dim() == 3 and block_tables.shape[0] == seq_lens.shape[0] == query.shape[0]
     page_size = k_pages.shape[1]
-    assert block_tables.shape[1] * page_size == max_seq_len
-    assert int(seq_lens.max()) <= max_seq_len and int(seq_lens.min()) >= 1
+    assert int(seq_lens.min()) >= 1 and int(seq_lens.max()) <= block_tables.shape[1] * page_size
     assert workspace_buffer.dtype == torch.uint8 and workspace_buffer.numel() > 8 * 2**20
     out = torch.empty_like(query)
     group = query.shape[1] // k_pages.shape[2]

@@ -113,6 +113,8 @@ def test_flashinfer_over_fp8_pages_gives_the_torch_backends_tokens(
     e4m3 pages take it, eager and graphed; e5m2 pages stay with the decode wrapper."""
     monkeypatch.setattr("asyncinfer.attention.xqa_decode.supported_device",
                         lambda device: xqa_device)
+    # The real XQA takes half-precision queries; the stand-in computes in float32 too.
+    monkeypatch.setattr("asyncinfer.attention.xqa_decode.XQA_QUERY_DTYPES", (torch.float32,))
     prompts, _ = reference(tiny_qwen3_dir)
     options: dict[str, object] = {"dtype": "float32", "max_running_requests": 5,
                                   "max_seq_len": 256, "num_pages": 600,

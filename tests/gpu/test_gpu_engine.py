@@ -101,11 +101,15 @@ def test_an_fp8_cache_still_solves_the_task_on_both_backends(
                        cuda_graph=True, kv_cache_dtype=kv_cache_dtype)
     assert llm.runner.pool.k.dtype == llm.runner.kv_dtype != torch.bfloat16
     assert llm.runner.pool.k.element_size() == 1
+    backend = llm.runner.backend
+    assert isinstance(backend, FlashInferBackend)
+    assert backend.xqa == (kv_cache_dtype == "fp8_e4m3")  # XQA on Hopper for e4m3
     assert sum(g.replays for g in llm.runner.graphs.decode) > 0  # type: ignore[union-attr]
     assert_nothing_held(llm)
     llm.close()
-    ref, _ = generate(trained_qwen3_dir, prompts, page_size=16, attention_backend="torch",
-                      kv_cache_dtype=kv_cache_dtype)
+    ref, torch_llm = generate(trained_qwen3_dir, prompts, page_size=16,
+                              attention_backend="torch", kv_cache_dtype=kv_cache_dtype)
+    torch_llm.close()
     assert fi == want and ref == want
 
 

@@ -139,10 +139,8 @@ class FlashInferBackend:
     def __init__(self, spec: AttentionSpec) -> None:
         flashinfer = load_flashinfer(spec.device)
         self.fi, self.pool, self.device, self.dtype = flashinfer, spec.pool, spec.device, spec.dtype
-        # What the pages hold: the model's dtype or FP8 (read with the pool's scales).
+        # What the pages hold: the model's dtype or FP8 (unscaled).
         self.kv_dtype = spec.pool.k.dtype
-        self.scales = ({} if spec.pool.k_scale == spec.pool.v_scale == 1.0 else
-                       {"k_scale": spec.pool.k_scale, "v_scale": spec.pool.v_scale})
         self.page_table, self.page_size = spec.page_table, spec.pool.page_size
         self.pad_page = spec.pad_page
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
@@ -157,7 +155,8 @@ class FlashInferBackend:
             self.workspace, "NHD", backend="fa2") for w in self.windows}
         # Decode over e4m3 pages takes XQA where it runs (its own workspace: the head of
         # it holds semaphores that other kernels must not write).
-        self.xqa = decodes_with_xqa(flashinfer, self.device, self.kv_dtype, self.page_size)
+        self.xqa = decodes_with_xqa(flashinfer, self.device, self.kv_dtype, self.dtype,
+                                    self.page_size, self.head_dim)
         self._xqa_workspace = (torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8,
                                            device=self.device) if self.xqa else None)
         self.decode = {w: self._decode_wrapper(w) for w in self.windows}
@@ -186,8 +185,7 @@ class FlashInferBackend:
             assert self._xqa_workspace is not None
             return XqaDecode(self.fi, self._xqa_workspace, self.page_size,
                              -(-self.positions // self.page_size), self.scale,
-                             window_left(window), self.device, self.pool.k_scale,
-                             self.pool.v_scale, rows=rows)
+                             window_left(window), self.device, rows=rows)
         if buffers is None:
             return self.fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
@@ -220,7 +218,7 @@ class FlashInferBackend:
         """Attend over each request's pages (the new K, V are already in them), through
         the wrapper planned with this layer's window."""
         wrapper = meta.wrappers[full_if_wider(window, self.positions)]
-        out = wrapper.run(q.contiguous(), self._pages[layer], **self.scales)
+        out = wrapper.run(q.contiguous(), self._pages[layer])
         return out.view(q.shape[0], -1)
 
     def init_graph_state(self, shapes: Sequence[GraphShape]) -> None:
@@ -291,6 +289,7 @@ class FlashInferBackend:
                   ends: Sequence[int], spare: int = 0) -> None:
         """XQA's block tables and lengths for the batch, ``spare`` padding rows of one
         token on the pad page after it; every window's wrapper takes the same."""
+        assert not spare or self.pad_page is not None, "padding rows need the pad page"
         tables = block_tables(self.page_table, rows, self.page_size, spare,
                               self.pad_page or 0)
         lens = torch.tensor([*ends, *([1] * spare)], dtype=torch.int32)

@@ -72,7 +72,8 @@ class DecodeGroup:
 
 class TorchBackend:
     """Decode batches as padded SDPA calls over groups of similar length; prefill and mixed
-    batches per request. Queries take the pool's dtype and outputs come back narrowed. Not
+    batches per request. Queries take the dtype attention computes in (the pool's; over FP8
+    pages the queries' own, float32 on a CPU) and outputs come back narrowed. Not
     capturable: its shapes follow the requests' lengths."""
 
     capturable: ClassVar[bool] = False
@@ -88,8 +89,8 @@ class TorchBackend:
         self.native: NativeKernels | None = None
         self.native_prefill = False
         self.invariant = spec.invariant
-        # What attention computes in: the pool's dtype; over an FP8 pool (read back and
-        # scaled) the queries' dtype, float32 on a CPU.
+        # What attention computes in: the pool's dtype; over an FP8 pool (read back) the
+        # queries' dtype, float32 on a CPU.
         self.fp8 = is_fp8(spec.pool.k.dtype)
         self.compute = spec.pool.k.dtype
         if self.fp8:
@@ -251,9 +252,9 @@ class TorchBackend:
                 n, width = qg.shape[0], seen.shape[-1]
                 shape = (n, width, *k_pool.shape[1:])
                 keys = self._read(_gather_pages(k_pool, group.pages, self.pool.page_size)
-                                  .view(shape), self.pool.k_scale)
+                                  .view(shape))
                 values = self._read(_gather_pages(v_pool, group.pages, self.pool.page_size)
-                                    .view(shape), self.pool.v_scale)
+                                    .view(shape))
                 res = F.scaled_dot_product_attention(
                     qg.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                     attn_mask=seen, scale=self.scale, enable_gqa=True).reshape(n, -1)
@@ -266,7 +267,7 @@ class TorchBackend:
 
     def _per_request(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      meta: TorchMetadata, window: int | None) -> torch.Tensor:
-        """SDPA request by request over ``meta.q_bounds`` (in the pool's dtype)."""
+        """SDPA request by request over ``meta.q_bounds`` (in ``self.compute``)."""
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
         dtype = self.compute
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -276,8 +277,8 @@ class TorchBackend:
             if start == 0 and not self.fp8:  # nothing cached: fresh k, v are all there is
                 kr, vr = k[lo:hi], v[lo:hi]
             else:  # an FP8 pool is read back, as flashinfer reads it
-                kr = self._read(k_pool.index_select(0, slots), self.pool.k_scale)
-                vr = self._read(v_pool.index_select(0, slots), self.pool.v_scale)
+                kr = self._read(k_pool.index_select(0, slots))
+                vr = self._read(v_pool.index_select(0, slots))
             kr = kr.transpose(0, 1).unsqueeze(0)
             vr = vr.transpose(0, 1).unsqueeze(0)
             n, total = hi - lo, slots.numel()
@@ -296,12 +297,9 @@ class TorchBackend:
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-    def _read(self, stored: torch.Tensor, scale: float) -> torch.Tensor:
+    def _read(self, stored: torch.Tensor) -> torch.Tensor:
         """Keys or values of the pool in the dtype attention computes in."""
-        if not self.fp8:
-            return stored
-        out = stored.to(self.compute)
-        return out if scale == 1.0 else out.mul_(scale)
+        return stored.to(self.compute) if self.fp8 else stored
 
 
 class DecodeAttention(Protocol):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
 
 import numpy as np
 import torch
@@ -14,6 +13,7 @@ import torch
 from asyncinfer.attention.host_to_device import pin, upload
 
 XQA_PAGE_SIZES = (16, 32, 64, 128)   # the page sizes its kernels are built for
+XQA_QUERY_DTYPES = (torch.bfloat16, torch.float16)
 SEMAPHORE_BYTES = 8 * 2**20          # the head of its workspace: semaphores, kept zeroed
 XQA_WORKSPACE_BYTES = SEMAPHORE_BYTES + 128 * 2**20
 
@@ -33,9 +33,11 @@ def supported_device(device: torch.device) -> bool:
 
 
 def decodes_with_xqa(fi: ModuleType, device: torch.device, kv_dtype: torch.dtype,
-                     page_size: int) -> bool:
-    """Whether decode batches over a pool of ``kv_dtype`` take XQA here."""
+                     q_dtype: torch.dtype, page_size: int, head_dim: int) -> bool:
+    """Whether decode batches over a pool of ``kv_dtype`` take XQA here: e4m3 pages of a
+    page size and head size its kernels are built for, half-precision queries."""
     return (kv_dtype == torch.float8_e4m3fn and page_size in XQA_PAGE_SIZES
+            and q_dtype in XQA_QUERY_DTYPES and head_dim % 16 == 0 and 16 <= head_dim <= 256
             and xqa_kernel(fi) is not None and supported_device(device))
 
 
@@ -57,12 +59,12 @@ class XqaDecode:
 
     def __init__(self, fi: ModuleType, workspace: torch.Tensor, page_size: int,
                  table_pages: int, scale: float, window_left: int, device: torch.device,
-                 k_scale: float = 1.0, v_scale: float = 1.0, rows: int | None = None) -> None:
+                 rows: int | None = None) -> None:
         kernel = xqa_kernel(fi)
         assert kernel is not None, "decodes_with_xqa first"
         self.kernel, self.workspace, self.device = kernel, workspace, device
         self.max_seq_len = table_pages * page_size
-        self.bmm1_scale, self.bmm2_scale = scale * k_scale, v_scale
+        self.bmm1_scale = scale   # the pages are unscaled: nothing else to fold in
         self.window_left = window_left
         self.static = rows is not None
         self.block_tables = torch.zeros(rows or 0, table_pages, dtype=torch.int32,
@@ -79,10 +81,9 @@ class XqaDecode:
             self.block_tables = upload(tables, self.device)
             self.seq_lens = upload(seq_lens, self.device)
 
-    def run(self, q: torch.Tensor, pages: tuple[torch.Tensor, torch.Tensor],
-            **_scales: Any) -> torch.Tensor:
+    def run(self, q: torch.Tensor, pages: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Attention of each row's one query over its pages ([rows, heads, dim] in q's
-        dtype); the pool's scales are folded into the kernel's own."""
+        dtype)."""
         return self.kernel(q, pages, self.workspace, self.block_tables, self.seq_lens,
-                           self.max_seq_len, bmm1_scale=self.bmm1_scale,
-                           bmm2_scale=self.bmm2_scale, window_left=self.window_left)
+                           self.max_seq_len, bmm1_scale=self.bmm1_scale, bmm2_scale=1.0,
+                           window_left=self.window_left)

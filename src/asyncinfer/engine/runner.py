@@ -114,6 +114,7 @@ class ModelRunner:
         # With float32 kernels the cache holds half-precision values in float32 (exactly).
         self.kv_dtype = config.kv_cache_torch_dtype or (
             torch.float32 if config.fp32_kernels else self.dtype)
+        _check_fp8_device(self.kv_dtype, self.device, config.kv_cache_dtype)
         cfg, page = self.shard_config, config.page_size
         self.page_size = page
         extra_pages = 1 if backend_cls.capturable else 0
@@ -457,3 +458,14 @@ def cuda_kv_budget(device: torch.device, utilization: float) -> int:
             f"{total / 2**30:.1f} GiB at gpu_memory_utilization={utilization}; raise it or "
             "set kv_cache_gb")
     return budget
+
+
+def _check_fp8_device(kv_dtype: torch.dtype, device: torch.device, name: str) -> None:
+    """An FP8 cache on a GPU needs SM 8.9 or later: the stores' Triton code casts to FP8,
+    which Triton compiles for no earlier GPU."""
+    if is_fp8(kv_dtype) and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ConfigError(f"kv_cache_dtype {name!r} needs a GPU of compute capability "
+                              f"8.9 or later (Ada, Hopper, Blackwell); {device} is "
+                              f"{major}.{minor}: use kv_cache_dtype 'auto'")

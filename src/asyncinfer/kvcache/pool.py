@@ -31,8 +31,8 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as the pool's ``dtype``; into FP8 divided by its scale (1) and saturated at the
-    format's largest finite value, as vLLM and SGLang store an unscaled FP8 cache."""
+    """``x`` as the pool's ``dtype``; into FP8 saturated at the format's largest finite
+    value (unscaled: no calibrated scales are loaded, as in vLLM's and SGLang's default)."""
     limit = FP8_DTYPES.get(dtype)
     if limit is None:
         return x.to(dtype)
@@ -41,8 +41,7 @@ def narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class KVPool:
     """K and V of every layer; a token's slot is ``page * page_size + offset``. An FP8 pool
-    holds K / k_scale and V / v_scale (per-tensor scales; 1, as no calibrated scales are
-    loaded) and its readers multiply back."""
+    holds them unscaled, saturated at the format's range (see ``narrow``)."""
 
     def __init__(
         self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -50,7 +49,6 @@ class KVPool:
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
-        self.k_scale = self.v_scale = 1.0
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         if device.type == "cpu":  # huge pages, and memory committed only as pages fill
             self.k = zeros_huge(shape, dtype)
