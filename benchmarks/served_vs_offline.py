@@ -117,9 +117,9 @@ def main() -> int:
     parser.add_argument("--api-workers", type=int, default=1)
     parser.add_argument("--port", type=int, default=18731)
     parser.add_argument("--workload", choices=sorted(DEFAULTS), default="gpu")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=_positive, default=1,
                         help="offline then served in even rounds, served then offline in odd")
-    parser.add_argument("--requests", type=int, default=None,
+    parser.add_argument("--requests", type=_positive, default=None,
                         help="only the workload's first this many requests")
     parser.add_argument("--warm-up-tokens", type=int, default=None,
                         help="prompt tokens of the warm-up round (default: max_extend_tokens)")
@@ -158,6 +158,7 @@ def main() -> int:
             this[side] = run
             runs.append(run)
             print(json.dumps(run), flush=True)
+        _check_same_work(this, sum(max_tokens))
         ratio = this["served"]["output_tokens_per_s"] / this["offline"]["output_tokens_per_s"]
         ratios.append(round(ratio, 3))
         print(f"round {round_}: served {this['served']['output_tokens_per_s']:,.0f} tok/s, "
@@ -177,6 +178,21 @@ def main() -> int:
     print(f"served / offline on the same requests: {report['served_over_offline_same_requests']}"
           f" (median of {args.rounds} rounds: {ratios})")
     return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def _check_same_work(sides: dict[str, dict[str, Any]], tokens: int) -> None:
+    """A ratio compares the same work only: every request done, every token made."""
+    for side, run in sides.items():
+        if run["failed"] or run["output_tokens"] != tokens:
+            raise SystemExit(f"{side}: {run['failed']} requests failed, "
+                             f"{run['output_tokens']} of {tokens} tokens: no ratio")
 
 
 def _machine() -> dict[str, Any]:

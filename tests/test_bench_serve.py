@@ -892,13 +892,21 @@ def test_a_written_workload_file_reads_back_as_the_same_requests(tmp_path: Path)
     ([{"prompt": [1], "max_tokens": 2}, {"prompt": ["a"], "max_tokens": 2}],
      "request 1: prompt must be a non-empty list of token ids"),
     ([{"prompt": [-1], "max_tokens": 2}], "request 0: prompt must be"),
-    ([{"prompt": [1], "max_tokens": 0}], "request 0: max_tokens must be an integer >= 1"),
-    ([{"prompt": [1], "max_tokens": True}], "max_tokens must be an integer >= 1, got True"),
-    ([{"prompt": [1], "max_tokens": 2, "temperature": -1}], "temperature must be a number"),
+    ([{"prompt": [1], "max_tokens": 0}],
+     "request 0: max_tokens must be an integer in [1, 2147483647], got 0"),
+    ([{"prompt": [1], "max_tokens": True}], "max_tokens must be an integer in"),
+    ([{"prompt": [1], "max_tokens": 2**31}], "max_tokens must be an integer in"),
+    ([{"prompt": [1], "max_tokens": None}], "max_tokens must be an integer in"),
+    ([{"prompt": [1]}], "request 0: max_tokens is missing"),
+    ([{"prompt": [1], "max_tokens": 2, "temperature": -1}], "temperature must be a finite"),
     ([{"prompt": [1], "max_tokens": 2, "temperature": float("nan")}],
-     "temperature must be a number"),
-    ([{"prompt": [1], "max_tokens": 2, "top_p": 0}], "top_p must be a number in"),
-    ([{"prompt": [1], "max_tokens": 2, "seed": 1.5}], "seed must be an integer"),
+     "temperature must be a finite"),
+    ([{"prompt": [1], "max_tokens": 2, "temperature": 10**400}],
+     "temperature must be a finite number"),
+    ([{"prompt": [1], "max_tokens": 2, "top_p": 0}], "top_p must be a finite number in (0"),
+    ([{"prompt": [1], "max_tokens": 2, "seed": 1.5}], "seed must be an integer in"),
+    ([{"prompt": [1], "max_tokens": 2, "seed": 2**64}], "seed must be an integer in"),
+    ([{"prompt": [2**31], "max_tokens": 2}], "prompt must be a non-empty list"),
     ([{"prompt": [1], "max_tokens": 2, "stop": ["x"]}], "unknown field(s) stop"),
     (["text"], "request 0: expected an object, got str"),
 ])
@@ -913,7 +921,8 @@ def test_a_malformed_workload_file_is_refused_naming_the_request(
 
 @pytest.mark.parametrize("text, message", [
     ("{", "is not JSON"), ('{"prompts": []}', 'must hold {"requests": [...]}'),
-    ("[1, 2]", 'must hold {"requests": [...]}')])
+    ("[1, 2]", 'must hold {"requests": [...]}'),
+    ('{"requests": [{"prompt": [1], "max_tokens": 1}], "sampling": {}}', "and nothing else")])
 def test_a_workload_file_that_is_not_one_is_refused(tmp_path: Path, text: str,
                                                     message: str) -> None:
     path = tmp_path / "w.json"
@@ -926,10 +935,24 @@ def test_a_workload_file_that_is_not_one_is_refused(tmp_path: Path, text: str,
 
 @pytest.mark.parametrize("flags", [["--num-requests", "5"], ["--input-len", "8"],
                                    ["--workload", "chat"], ["--prefix-groups", "2"],
-                                   ["--output-len-range", "2,4"]])
+                                   ["--output-len-range", "2,4"],
+                                   ["--rate-search", "1:2", "--slo-tbt-p99-ms", "50"],
+                                   ["--prompt-format", "text"]])
 def test_a_workload_file_refuses_the_flags_that_would_plan_requests(
         tmp_path: Path, flags: list[str]) -> None:
     path = write_workload_file(tmp_path / "w.json", [[1]], [1])
+    named = " ".join(flags[:2]) if flags[0] == "--prompt-format" else flags[0]
     with pytest.raises(AsyncInferError, match=f"--workload-file holds the requests whole.*"
-                                              f"drop {re.escape(flags[0])}"):
+                                              f"drop {re.escape(named)}"):
         main(parse("--workload-file", str(path), *flags))
+
+
+def test_a_workload_file_is_not_sent_through_a_router_as_text(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Behind a router prompts go as text, which would turn the file's ids into other
+    prompts: refused, naming the URL."""
+    path = write_workload_file(tmp_path / "w.json", [[1, 2]], [1])
+    monkeypatch.setattr("asyncinfer.bench.serve.replica_urls",
+                        lambda base, api_key: [f"{base}/a", f"{base}/b"])
+    with pytest.raises(AsyncInferError, match=r"routes to replicas.*point --url at one server"):
+        main(parse("--url", "http://127.0.0.1:9", "--workload-file", str(path)))

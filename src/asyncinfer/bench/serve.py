@@ -95,6 +95,10 @@ def _check_workload_file(args: argparse.Namespace) -> None:
         ("--max-input-len", args.max_input_len)) if value is not None]
     if args.workload != "uniform":
         planning.insert(0, "--workload")
+    if args.rate_search:  # its probes shift the prompts' ids
+        planning.append("--rate-search")
+    if args.prompt_format == "text":
+        planning.append("--prompt-format text")
     if planning:
         raise AsyncInferError(f"--workload-file holds the requests whole (prompts, lengths, "
                               f"sampling): drop {' and '.join(planning)}")
@@ -266,6 +270,10 @@ def main(args: argparse.Namespace) -> int:
     counted = replica_counters(replicas)
     # A router reads prompts as text (and refuses ids): words stand in for the ids then.
     text = args.prompt_format == "text" or (args.prompt_format is None and replicas != [base])
+    if text and args.workload_file is not None:
+        raise AsyncInferError(f"{base} routes to replicas, which take prompts as text: the "
+                              f"workload file's token ids would be sent as other prompts; "
+                              f"point --url at one server")
     model = args.model
 
     def run(sent: list[RequestSpec], schedule: list[float] | None,

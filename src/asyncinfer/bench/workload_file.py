@@ -11,13 +11,13 @@ The file is JSON: ``{"requests": [{"prompt": [ids], "max_tokens": N, "temperatur
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from asyncinfer.bench.plan import RequestSpec
 from asyncinfer.errors import AsyncInferError
+from asyncinfer.params import BOUNDS, MAX_INT32
 
 FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "seed")
 
@@ -35,12 +35,25 @@ def write_workload_file(path: str | Path, prompts: Sequence[Sequence[int]],
     return out
 
 
-def _number(value: Any, where: str, name: str, lo: float, hi: float) -> float:
-    if (isinstance(value, bool) or not isinstance(value, int | float)
-            or not math.isfinite(value) or not lo <= value <= hi):
-        raise AsyncInferError(f"{where}: {name} must be a number in [{lo:g}, {hi:g}], "
-                              f"got {value!r}")
-    return float(value)
+_REQUIRED = object()
+
+
+def _field(item: dict[str, Any], name: str, where: str, default: Any = _REQUIRED) -> Any:
+    """``item[name]`` within the engine's bound for it; ``default`` where it is absent (or,
+    for a default of None, null)."""
+    if name not in item or (item[name] is None and default is None):
+        if default is _REQUIRED:
+            raise AsyncInferError(f"{where}: {name} is missing")
+        return default
+    value, bound = item[name], BOUNDS[name]
+    try:
+        holds = bound.holds(value)
+    except (OverflowError, TypeError):  # an integer past a float's range, say
+        holds = False
+    if not holds:
+        raise AsyncInferError(f"{where}: {name} must be {bound.describe()}, got "
+                              f"{str(value)[:40]}")
+    return value
 
 
 def _request(item: Any, where: str) -> RequestSpec:
@@ -51,22 +64,14 @@ def _request(item: Any, where: str) -> RequestSpec:
                               f"has {', '.join(FIELDS)}")
     prompt = item.get("prompt")
     if (not isinstance(prompt, list) or not prompt
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32
                        for t in prompt)):
         raise AsyncInferError(f"{where}: prompt must be a non-empty list of token ids "
                               f"(integers >= 0)")
-    max_tokens = item.get("max_tokens")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise AsyncInferError(f"{where}: max_tokens must be an integer >= 1, got "
-                              f"{max_tokens!r}")
-    seed = item.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise AsyncInferError(f"{where}: seed must be an integer, got {seed!r}")
-    return RequestSpec(tuple(prompt), max_tokens,
-                       temperature=_number(item.get("temperature", 0.0), where,
-                                           "temperature", 0.0, 100.0),
-                       top_p=_number(item.get("top_p", 1.0), where, "top_p", 1e-9, 1.0),
-                       seed=seed)
+    return RequestSpec(tuple(prompt), _field(item, "max_tokens", where),
+                       temperature=float(_field(item, "temperature", where, 0.0)),
+                       top_p=float(_field(item, "top_p", where, 1.0)),
+                       seed=_field(item, "seed", where, None))
 
 
 def read_workload_file(path: str | Path) -> list[RequestSpec]:
@@ -78,8 +83,10 @@ def read_workload_file(path: str | Path) -> list[RequestSpec]:
         raise AsyncInferError(f"cannot read the workload file {path}: {exc.strerror}") from None
     except ValueError as exc:
         raise AsyncInferError(f"the workload file {path} is not JSON: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("requests"), list):
-        raise AsyncInferError(f"the workload file {path} must hold {{\"requests\": [...]}}")
+    if (not isinstance(data, dict) or set(data) != {"requests"}
+            or not isinstance(data["requests"], list)):
+        raise AsyncInferError(f"the workload file {path} must hold {{\"requests\": [...]}} "
+                              f"and nothing else")
     if not data["requests"]:
         raise AsyncInferError(f"the workload file {path} holds no request")
     return [_request(item, f"{path}, request {i}") for i, item in enumerate(data["requests"])]
