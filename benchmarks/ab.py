@@ -6,7 +6,8 @@ run, both commits, the machine, and a digest of each run's output tokens, so a c
 should leave results alone is shown to: every digest must be the same. ``--new-variant``
 (and ``--base-variant``) run a feature on one side: the cost of logprobs, of n=4 against
 the same sequences as separate requests, of JSON schemas on half or all of the requests, of
-the batch-invariant mode, or of KV-cache events (one checkout may be both sides).
+the batch-invariant mode, of KV-cache events, or of an FP8 KV cache (one checkout may be
+both sides).
 
     python -m benchmarks.ab --base ../base --new . --pairs 3 --json ab.json
     python -m benchmarks.ab --base . --new . --new-variant logprobs5 --json cost.json
@@ -50,7 +51,8 @@ schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum":
 constrained = {"json50": set(range(1, 64, 2)), "json100": set(range(64))}.get(variant, set())
 options = {"invariant": {"batch_invariant": True},
            # KV-cache events published (hashed, encoded, sent) with no subscriber attached
-           "kv_events": {"kv_events": f"ipc:///tmp/asyncinfer-ab-kv-events-{os.getpid()}"}}
+           "kv_events": {"kv_events": f"ipc:///tmp/asyncinfer-ab-kv-events-{os.getpid()}"},
+           "kv_fp8": {"kv_cache_dtype": "fp8_e4m3"}}
 llm = LLM(model, skip_tokenizer_init=True, dtype=dtype, max_running_requests=64,
           max_seq_len=2048, **options.get(variant, {}))
 try:
@@ -83,9 +85,9 @@ print(json.dumps({"variant": variant, "tokens": tokens, "seconds": round(seconds
 # What each side runs: the workload plainly; with logprobs=5; its first 16 prompts with n=4;
 # or those 16 prompts each sent four times (the same tokens as n=4, greedy); half or all of
 # the requests under a JSON schema; the workload plainly in the batch-invariant mode, or
-# with the radix cache's KV-cache events published.
+# with the radix cache's KV-cache events published, or over an e4m3 KV cache.
 VARIANTS = ("plain", "logprobs5", "n4", "repeat4", "json50", "json100", "invariant",
-            "kv_events")
+            "kv_events", "kv_fp8")
 
 
 def _commit(checkout: Path) -> str:
