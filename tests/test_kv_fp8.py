@@ -6,9 +6,6 @@ interpreter against the torch store."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ from asyncinfer.config import EngineConfig
 from asyncinfer.errors import ConfigError
 from asyncinfer.kvcache.pool import FP8_DTYPES, narrow, store_kv
 from tests.test_model_outputs import GREEDY, reference
+from tests.triton_interpreter import run_interpreted
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -192,10 +190,4 @@ def test_the_triton_store_writes_fp8_as_the_torch_store_does() -> None:
     """The CUDA store kernel under Triton's interpreter (its own process), with rows past the
     formats' range: saturated alike, and elsewhere the same values (but for the interpreter's
     own rounding slip, named in the check)."""
-    pytest.importorskip("triton", reason="triton is not installed: the store kernel cannot "
-                                          "run under TRITON_INTERPRET=1")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _TRITON_STORE_CHECK], env=env, timeout=600,
-                          capture_output=True, text=True, cwd=Path(__file__).parent.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "checked" in done.stdout
+    assert "checked" in run_interpreted(_TRITON_STORE_CHECK, "the store kernel")

@@ -4,11 +4,8 @@ implemented is refused."""
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +24,7 @@ from tests.hf_reference import hf_last_logits, load_hf, place_rows
 from tests.test_model_families import _edited
 from tests.test_model_outputs import GREEDY, generate_ids, reference
 from tests.test_weights_and_dtypes import runner_for
+from tests.triton_interpreter import run_interpreted
 
 EXPERTS, TOP_K = 8, 2
 
@@ -218,13 +216,7 @@ def test_triton_fused_moe_equals_the_torch_reference() -> None:
     """The CUDA kernel under Triton's interpreter on CPU (set before triton loads, so in a
     process of its own): tiny shapes, blocks that straddle experts, an expert with no
     token."""
-    pytest.importorskip("triton", reason="triton is not installed: the fused MoE kernel "
-                                          "cannot run under TRITON_INTERPRET=1")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, timeout=600,
-                          capture_output=True, text=True, cwd=Path(__file__).parent.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "max error" in done.stdout
+    assert "max error" in run_interpreted(_TRITON_CHECK, "the fused MoE kernel")
 
 
 @pytest.mark.parametrize("fields, named", [
