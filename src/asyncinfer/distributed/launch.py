@@ -3,6 +3,7 @@ outlives the process that started it (docs/architecture.md, 'Starting the ranks'
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import multiprocessing
@@ -207,6 +208,18 @@ def _rank_main(rank: int, size: int, port: int, backend: str, leader: int,
         logger.error("tensor-parallel rank %d stops: %s", rank, exc)
         os._exit(1)  # a collective of another thread may still wait: do not join it
     leave_group()  # if entry has not left it already
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """End a rank whose work is done without the interpreter's teardown: the collectives'
+    C++ threads (gloo's, the store's) are not all joined by then, and a destructor that finds
+    one running aborts the process (SIGABRT) after a clean stop."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _watch_leader(rank: int, leader: int) -> None:
