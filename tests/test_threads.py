@@ -225,3 +225,31 @@ def test_batch_invariant_tokens_and_logprobs_do_not_depend_on_the_thread_count(
             llm.close()
         seen.append([(o.token_ids, [e.logprob for e in o.logprobs]) for o in outs])
     assert seen[0] == seen[1]
+
+
+async def test_the_tuner_drops_a_thread_within_one_long_forward(
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill of thousands of tokens is one forward that lasts seconds: the tuner looks
+    before each layer too, so cores taken away during the first forward lose it a thread
+    before the forward ends (one look per forward would need two forwards)."""
+    from tests.test_async_engine import greedy, tiny_engine
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    engine = tiny_engine(tiny_llama_dir)
+    tuner = engine.runner.thread_tuner
+    assert tuner is not None and tuner.threads == 2
+    assert len(engine.runner.model.layers) >= 2
+    now = [0.0]
+    taken: list[int] = []
+
+    def clock() -> float:  # every look finds a second gone, the threads waiting all of it
+        now[0] += 1.0
+        return now[0]
+
+    tuner._clock, tuner._delays = clock, lambda: now[0]
+    tuner._since = tuner._delay = tuner._probe_at = 0.0
+    tuner._set = taken.append
+    async with engine:
+        await engine.generate([5, 6, 7], greedy(1))  # one forward
+    assert taken == [1] and tuner.threads == 1

@@ -135,7 +135,8 @@ class ThreadTuner:
         return rate > max(0.25, 0.02 * self.threads)
 
     def step(self) -> None:
-        """Called before a forward, in the thread that computes it."""
+        """Called before a forward and before each of its layers (a long prefill is one
+        forward), in the thread that computes it."""
         now = self._clock()
         if now - self._since < self.interval:
             return

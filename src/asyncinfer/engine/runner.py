@@ -105,6 +105,10 @@ class ModelRunner:
         self.batch_invariant = batch_invariant(config, self.device, self.dtype, kernels,
                                                full.num_experts)
         self.model = self._load_model(model_dir, kernels)
+        if self.thread_tuner is not None:  # a forward can take seconds: look between layers
+            tuner = self.thread_tuner
+            for layer in getattr(self.model, "layers", ()):
+                layer.register_forward_pre_hook(lambda _module, _args: tuner.step())
         # Off the CPU, the mode's own Triton kernels: products, norms, attention, softmax.
         on_triton = self.batch_invariant and triton_invariant_path(self.device)
         if on_triton and self.model.op_names.norm not in INVARIANT_NORMS:
