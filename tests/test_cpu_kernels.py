@@ -324,6 +324,54 @@ def test_argmax_equals_torchs_with_ties_and_nans(march: str) -> None:
 
 
 @pytest.mark.parametrize("march", BUILDS)
+def test_the_race_and_its_noise_equal_the_samplers_torch_code(march: str) -> None:
+    from asyncinfer.engine import sampler
+
+    kernels = _build(march)
+    gen = torch.Generator().manual_seed(12)
+    for width in (49152, 49155, 40, 7):
+        rows = 48
+        logits = 3 * torch.randn(rows, width, generator=gen)
+        keys = torch.randint(-2**63, 2**63 - 1, (rows,), generator=gen)
+        keys[:4] = torch.tensor([0, -1, 2**32, -2**63])         # the key's halves' ends
+        inv_t = torch.tensor([0.0, 1.0, 0.5, 4.0] * (rows // 4))  # greedy rows beside
+        logits[5, width // 2] = float("nan")                     # a NaN logit wins
+        logits[6] = float("-inf")                                # as torch: index 0
+        logits[7, [1 % width, width - 1]] = 1e4                  # equal winners: the first
+        logits[8, [0, width - 1]] = 1e4                          # a greedy row's tie
+        noise = kernels.gumbel_noise(keys, width)
+        theirs = sampler.gumbel_noise(keys, width)
+        assert noise.shape == theirs.shape and noise.dtype == torch.float32
+        # The same uniforms; the logarithms within a few ulps of torch's.
+        assert torch.allclose(noise, theirs, rtol=1e-6, atol=2e-6)
+        assert torch.equal(kernels.race(logits, inv_t, keys),
+                           sampler.race(logits, inv_t, keys)), width
+        half = logits.bfloat16()                                 # widened first, as torch
+        assert torch.equal(kernels.race(half, inv_t, keys), sampler.race(half, inv_t, keys))
+
+
+def test_the_engine_samples_on_the_kernels_with_torchs_tokens(smollm2_dir) -> None:
+    """Seeded requests at a temperature, with and without top-p (the race's noise alone):
+    the same tokens from the kernels as from the sampler's torch code."""
+    from asyncinfer import LLM, SamplingParams
+
+    if native.load() is None:
+        pytest.skip("no C compiler")
+    prompts = [[1, 504, 3458, 282, 4649, 314] * (i + 1) for i in range(4)]
+    params = [SamplingParams(max_tokens=10, temperature=t, top_p=p, seed=i, ignore_eos=True)
+              for i, (t, p) in enumerate([(1.0, 1.0), (0.7, 1.0), (1.3, 0.9), (0.0, 1.0)])]
+    outputs = []
+    for cpu_kernels in (True, False):
+        llm = LLM(str(smollm2_dir), skip_tokenizer_init=True, cpu_kernels=cpu_kernels,
+                  max_running_requests=8, max_seq_len=256, dtype="float32")
+        sampler = llm.engine.runner.sampler
+        assert (sampler._race == native.load().race) == cpu_kernels
+        outputs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.close()
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("march", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_bitmask_mask_equals_xgrammars_kernel(march: str, dtype: torch.dtype) -> None:
     xgr = pytest.importorskip("xgrammar")

@@ -150,7 +150,9 @@ class ModelRunner:
                                       fp8_cache=is_fp8(self.kv_dtype))
         self.sampler = Sampler(config.seed, compile=config.compiles, device=self.device,
                                argmax=None if kernels is None else kernels.argmax,
-                               invariant=on_triton)
+                               invariant=on_triton,
+                               race_fn=None if kernels is None else kernels.race,
+                               noise_fn=None if kernels is None else kernels.gumbel_noise)
         self.sampler.warm_up(self.model_config.vocab_size, self.logits_dtype, self.device)
         self.grammars = Grammars(model_dir, self.model_config.vocab_size, native=kernels)
         if config.compiles and not on_triton:

@@ -121,9 +121,10 @@ def race(logits: Tensor, inv_temperature: Tensor, keys: Tensor) -> Tensor:
     return torch.where(greedy, logits.float(), noisy).argmax(dim=-1)
 
 
-def race_filtered(probs: Tensor, keys: Tensor) -> Tensor:
+def race_filtered(probs: Tensor, keys: Tensor,
+                  noise: Callable[[Tensor, int], Tensor] = gumbel_noise) -> Tensor:
     """One token per row of filtered probabilities, ``argmax(log p + Gumbel)``."""
-    return (probs.log() + gumbel_noise(keys, probs.shape[-1])).argmax(dim=-1)
+    return (probs.log() + noise(keys, probs.shape[-1])).argmax(dim=-1)
 
 
 def held_back(params: SamplingParams, step: int, eos_token_ids: frozenset[int]) -> list[int]:
@@ -171,12 +172,18 @@ class Sampler:
     def __init__(self, seed: int = 0, compile: bool = False, backend: str = "inductor",
                  device: torch.device | None = None,
                  argmax: Callable[[Tensor], Tensor] | None = None,
-                 invariant: bool = False) -> None:
+                 invariant: bool = False,
+                 race_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+                 noise_fn: Callable[[Tensor, int], Tensor] | None = None) -> None:
         # What ``min_tokens`` holds back besides stop_token_ids: the scheduler's EOS ids.
         self.eos_token_ids: frozenset[int] = frozenset()
         self._keys = np.random.Generator(np.random.PCG64(seed & _MASK64))
         self._argmax = argmax or _argmax
-        self._race: Callable[[Tensor, Tensor, Tensor], Tensor] = race
+        # ``race_fn``, ``noise_fn``: one-pass versions of ``race`` and ``gumbel_noise`` (the
+        # CPU kernels'); else ``race`` runs eagerly, or compiled with ``compile``.
+        self._race: Callable[[Tensor, Tensor, Tensor], Tensor] = race_fn or race
+        self._noise = noise_fn or gumbel_noise
+        self._compiled = False
         # Batch-invariant (on CUDA, where torch's sums over a row may split it by the
         # batch's size): each row's softmax in one fixed order, and the filters' kept
         # weights left unscaled, so that no sum over the row is taken at all.
@@ -184,10 +191,12 @@ class Sampler:
         self.log_softmax: Callable[[Tensor], Tensor] = raw_logprobs
         if invariant:
             self.log_softmax = triton_invariant.log_softmax
-        if compile and device is not None and triton_ops.available(device, "race"):
-            self._race = triton_ops.race
-        elif compile:
-            self._race = compiled(race, backend)
+        if race_fn is None and compile:
+            self._compiled = True
+            if device is not None and triton_ops.available(device, "race"):
+                self._race = triton_ops.race
+            else:
+                self._race = compiled(race, backend)
 
     def sample(
         self, logits: Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
@@ -208,10 +217,11 @@ class Sampler:
         keys = self._row_keys(chosen, [steps[i] for i in rows], device)
         logits = logits.float()
         if len(rows) == len(params):  # every row samples: no gather, no scatter
-            return race_filtered(self._filtered_probs(logits, chosen), keys)
+            return race_filtered(self._filtered_probs(logits, chosen), keys, self._noise)
         tokens = logits.argmax(dim=-1)
         index = device_tensor(rows, torch.int64, device)
-        tokens[index] = race_filtered(self._filtered_probs(logits[index], chosen), keys)
+        tokens[index] = race_filtered(self._filtered_probs(logits[index], chosen), keys,
+                                      self._noise)
         return tokens
 
     def adjust(self, logits: Tensor, batch: Batch, token_pool: Tensor) -> Tensor:
@@ -273,7 +283,7 @@ class Sampler:
     @torch.inference_mode()
     def warm_up(self, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
         """Compile the fused pass for any batch size (dynamic) and for 1, before serving."""
-        if self._race is race:
+        if not self._compiled:
             return
         for rows in WARM_UP_ROWS:
             self._race(*dynamic_rows(torch.zeros(rows, vocab, dtype=dtype, device=device),

@@ -1,7 +1,8 @@
 """CPU kernels of our own, compiled for this CPU at first use: decode attention over the
 paged KV cache (``cpu_attention.c``, for the torch attention backend), the elementwise work
-between a layer's matrix products (``cpu_layer_ops.c``, for layers.fused), structured
-output's token-bitmask mask (``cpu_mask.c``, for engine.grammar), and, where the
+between a layer's matrix products (``cpu_layer_ops.c``, for layers.fused), the sampler's
+token choice (``cpu_sample.c``: the argmax and the Gumbel race, for engine.sampler),
+structured output's token-bitmask mask (``cpu_mask.c``, for engine.grammar), and, where the
 CPU has AMX tile units, bfloat16 matrix products (``cpu_gemm.c``, for layers.linear) and
 prefill attention (``cpu_prefill.c``, for the torch attention backend).
 
@@ -36,8 +37,8 @@ from asyncinfer.memory import Slab
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_attention.c", "cpu_layer_ops.c", "cpu_gemm.c", "cpu_prefill.c",
-                        "cpu_mask.c")]
+           for name in ("cpu_attention.c", "cpu_layer_ops.c", "cpu_sample.c", "cpu_gemm.c",
+                        "cpu_prefill.c", "cpu_mask.c")]
 HEADERS = [Path(__file__).with_name("cpu_common.h")]
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-std=c11", "-ffp-contract=fast", "-Wno-psabi"]
@@ -81,6 +82,8 @@ class NativeKernels:
         self._silu = self._bind("silu_mul_bf16", _SILU_ARGS)
         self._rope = self._bind("qk_norm_rope_store_bf16", _ROPE_ARGS)
         self._argmax = self._bind("argmax_rows_f32", _ARGMAX_ARGS)
+        self._race = self._bind("race_rows_f32", [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT])
+        self._noise = self._bind("gumbel_rows_f32", [_PTR, _I64, _I64, _PTR, _INT])
         self._mask = self._bind("mask_rows", [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT,
                                               _INT])
         self._pack = self._bind("pack_bf16", [_PTR, _I64, _I64, _PTR])
@@ -286,6 +289,29 @@ class NativeKernels:
         rows, n = logits.shape
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax(logits.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def race(self, logits: torch.Tensor, inv_temperature: torch.Tensor,
+             keys: torch.Tensor) -> torch.Tensor:
+        """engine.sampler's ``race`` in one pass per row: ``argmax(logits / T + Gumbel)``
+        of each row's key, its argmax where ``inv_temperature`` is 0; the noise's
+        logarithms are our own, within an ulp or two of torch's."""
+        logits = logits.float().contiguous()
+        rows, n = logits.shape
+        inv_t = inv_temperature.to(torch.float32).contiguous()
+        keys = keys.to(torch.int64).contiguous()
+        assert inv_t.shape == keys.shape == (rows,)
+        out = torch.empty(rows, dtype=torch.int64)
+        self._race(logits.data_ptr(), rows, n, inv_t.data_ptr(), keys.data_ptr(),
+                   out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def gumbel_noise(self, keys: torch.Tensor, vocab: int) -> torch.Tensor:
+        """engine.sampler's ``gumbel_noise`` [rows, vocab] float32 of int64 ``keys``."""
+        keys = keys.to(torch.int64).contiguous()
+        out = torch.empty(keys.shape[0], vocab, dtype=torch.float32)
+        self._noise(keys.data_ptr(), keys.shape[0], vocab, out.data_ptr(),
+                    torch.get_num_threads())
         return out
 
     @staticmethod
