@@ -455,6 +455,42 @@ def test_the_avx512_product_rounds_as_torch_and_keeps_nan() -> None:
     assert torch.equal(out[torch.arange(13) != 4], want[torch.arange(13) != 4])
 
 
+def test_the_dot_product_form_agrees_with_the_fma_form_and_not_with_the_batch() -> None:
+    """On AVX512-BF16, the product as vdpbf16ps: float32 sums of the exact products, in
+    pairs, so within a rounding step of the float32 product (as the FMA form is); a row's
+    result is the same whether it is multiplied alone or among 200 rows; NaN kept."""
+    kernels = _build("native")
+    if kernels.products != "avx512" or not kernels.dot_built:
+        pytest.skip("the dot-product form runs on AVX-512 CPUs with AVX512-BF16, without AMX")
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(112, 576, generator=gen).bfloat16()  # seven blocks: a short panel
+    bias = torch.randn(112, generator=gen).bfloat16()
+    x = torch.randn(200, 640, generator=gen).bfloat16()[:, 32:608]  # a row stride
+    x[9, 100] = float("nan")
+    packed = kernels.pack(weight)
+    chosen = kernels.dot
+    try:
+        kernels.dot = True
+        dot = kernels.linear(x, packed, 112, bias)
+        alone = [kernels.linear(x[r:r + 1], packed, 112, bias) for r in (0, 9, 57, 199)]
+        few = kernels.linear(x[190:], packed, 112, bias)
+        kernels.dot = False
+        fma = kernels.linear(x, packed, 112, bias)
+    finally:
+        kernels.dot = chosen
+    assert dot[9].isnan().all() and fma[9].isnan().all()
+    keep = torch.arange(200) != 9
+    # Rounded once from float32 sums: a bf16 step (2^-8 of the value) from the float32
+    # product, or float32's own error where the sum cancels to nearly nothing.
+    want = F.linear(x.float(), weight.float(), bias.float())
+    for ours in (dot, fma):
+        torch.testing.assert_close(ours[keep].float(), want[keep], rtol=2**-8, atol=1e-3)
+    assert (dot[keep] != fma[keep]).float().mean().item() <= 0.02
+    for r, row in zip((0, 9, 57, 199), alone, strict=True):
+        assert torch.equal(row[0], dot[r]) if r != 9 else row.isnan().all()
+    assert torch.equal(few, dot[190:])
+
+
 def test_the_engine_multiplies_on_our_kernels_where_the_cpu_has_them(smollm2_dir) -> None:
     """Every decode-sized product of a bf16 engine goes through our product kernel where
     one builds (the tied head included); elsewhere through oneDNN's packed weights, or

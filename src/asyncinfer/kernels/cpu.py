@@ -3,8 +3,9 @@ paged KV cache (``cpu_attention.c``, for the torch attention backend), the eleme
 between a layer's matrix products (``cpu_layer_ops.c``, for layers.fused), the sampler's
 token choice (``cpu_sample.c``: the argmax and the Gumbel race, for engine.sampler),
 structured output's token-bitmask mask (``cpu_mask.c``, for engine.grammar), and, where the
-CPU has AMX tile units, bfloat16 matrix products (``cpu_gemm.c``, for layers.linear) and
-prefill attention (``cpu_prefill.c``, for the torch attention backend).
+CPU has AMX tile units or AVX-512, bfloat16 matrix products (``cpu_gemm.c``, for
+layers.linear), and with AMX prefill attention (``cpu_prefill.c``, for the torch attention
+backend).
 
 The sources are compiled once per CPU kind with the system's C compiler (``$CC``, else
 ``cc``) and ``-march=native``, so an AVX2-only CPU and an AVX-512 one each get code for
@@ -72,6 +73,16 @@ def cpu_flags() -> str:
         return ""
 
 
+def cpu_vendor() -> str:
+    """This CPU's ``vendor_id`` from /proc/cpuinfo ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
 class NativeKernels:
     """The compiled kernels of one library (one ``-march``)."""
 
@@ -96,6 +107,8 @@ class NativeKernels:
         self._amx_linear = self._bind("amx_linear_bf16", _GEMM_ARGS)
         self._wide_linear = self._bind("wide_linear_bf16", _GEMM_ARGS)
         self._wide_linear.restype = _INT  # -1: its scratch could not be allocated
+        self._dot_linear = self._bind("dot_linear_bf16", _GEMM_ARGS)
+        self._dot_linear.restype = _INT
         ready = self._lib.amx_linear_ready
         ready.argtypes, ready.restype = [], _INT
         self.amx = bool(ready())
@@ -108,6 +121,15 @@ class NativeKernels:
         """Which of our kernels multiplies packed bf16 weights by default: "amx" (tile
         products), "avx512" (bf16 weights widened to float32 in registers, float32 FMAs: an
         AVX-512 CPU without AMX), or None (torch's products)."""
+        dot = self._lib.dot_linear_built
+        dot.argtypes, dot.restype = [], _INT
+        self.dot_built = bool(dot())
+        """Whether this build has the AVX512-BF16 form of the AVX-512 product."""
+        self.dot = self.products == "avx512" and self.dot_built and cpu_vendor() == "AuthenticAMD"
+        """Whether the AVX-512 product multiplies on ``vdpbf16ps`` (two bf16 products a lane
+        an instruction) rather than float32 FMAs over widened weights: on AMD's CPUs with
+        AVX512-BF16 (Zen 4 on), where it issues at the FMAs' rate; Intel's CPUs without AMX
+        were measured issuing it at a quarter of that (docs/benchmarks.md)."""
         self.fixed_products: str | None = self.products or ("avx2" if built == 2 else None)
         """Which of our kernels the batch-invariant mode multiplies with: ``products``, or on
         an AVX2 CPU with FMA "avx2" (the AVX-512 kernel's arithmetic on 8-float vectors,
@@ -218,7 +240,8 @@ class NativeKernels:
         assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
         out = torch.empty(rows, out_features, dtype=torch.bfloat16)
         if rows:
-            product = self._amx_linear if self.products == "amx" else self._wide_linear
+            product = (self._amx_linear if self.products == "amx"
+                       else self._dot_linear if self.dot else self._wide_linear)
             failed = product(x.data_ptr(), x.stride(0), packed.data_ptr(),
                              None if bias is None else bias.data_ptr(), rows, out_features, k,
                              out.data_ptr(), torch.get_num_threads())

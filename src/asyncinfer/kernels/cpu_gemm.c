@@ -16,8 +16,9 @@
  * becomes zero.
  *
  * Built where the compiler targets AMX (-march of a CPU that has it); elsewhere
- * amx_linear_ready() returns 0 and the functions do nothing. The second half of this file
- * multiplies by the same packed weights on AVX-512 CPUs without AMX (wide_linear_bf16).
+ * amx_linear_ready() returns 0 and the functions do nothing. The rest of this file
+ * multiplies by the same packed weights on AVX-512 CPUs without AMX (wide_linear_bf16, and
+ * dot_linear_bf16 on AVX512-BF16).
  */
 #define _GNU_SOURCE /* syscall */
 #include <stdint.h>
@@ -163,7 +164,8 @@ void amx_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *
  * columns' pair of k; shifted left it is the pair's first element, masked its second, each
  * 16 floats. Where the CPU has AVX512-BF16, vdpbf16ps would take the vector as is, but on
  * some such CPUs it issues at a fraction of the FMAs' rate (docs/benchmarks.md), so the
- * widening pays. x is widened to float32 once per call.
+ * widening pays there; dot_linear_bf16, below, is for the others. x is widened to float32
+ * once per call.
  *
  * A step of the micro-kernel multiplies DP_ROWS rows of x by DP_BLOCKS blocks of 16 columns
  * (24 vectors of sums, 6 of weights and x's two: all 32 registers). A task is a panel of
@@ -385,6 +387,105 @@ int wide_linear_built(void) { return 0; }
 
 int wide_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *bias,
                      int64_t m, int64_t n, int64_t k, bf16 *y, int threads) {
+    (void)x, (void)xs, (void)packed, (void)bias, (void)m, (void)n, (void)k, (void)y;
+    (void)threads;
+    return -1;
+}
+
+#endif
+
+/* The same product where the CPU's AVX512-BF16 dot product issues at the FMAs' rate (AMD's
+ * Zen 4): vdpbf16ps multiplies a packed row as it is by a broadcast pair of x's bf16 values
+ * and adds both products to the float32 sums, so an instruction does two of the FMA
+ * kernel's multiply-adds, and neither W nor x is widened (no float32 copy of x). Each pair's
+ * two products enter its sum together, so results can differ from the FMA kernel's by a
+ * rounding step; like it, an output's order of sums does not depend on the row count.
+ * Subnormal inputs count as zero (the instruction's own rule). */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define DOT_ROWS 8
+#define DOT_BLOCKS 3
+
+int dot_linear_built(void) { return 1; }
+
+INLINE void dot_kernel(const int rows, const int blocks, const bf16 *x, int64_t xs,
+                       const bf16 *w, int64_t k, const bf16 *bias, bf16 *y, int64_t ys) {
+    __m512 acc[DOT_ROWS][DOT_BLOCKS];
+#pragma GCC unroll 8
+    for (int i = 0; i < rows; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_setzero_ps();
+    const int64_t bs = 16 * k;
+    for (int64_t p = 0; p < k / 2; p++) {
+        __m512bh wv[DOT_BLOCKS];
+#pragma GCC unroll 8
+        for (int j = 0; j < blocks; j++)
+            wv[j] = (__m512bh)_mm512_load_si512((const void *)(w + j * bs + 32 * p));
+#pragma GCC unroll 8
+        for (int i = 0; i < rows; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * xs + 2 * p, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+            for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < blocks; j++) {
+        const __m512 b = bias ? widen16_bf16(bias + 16 * j) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int i = 0; i < rows; i++) store_bf16x16(y + i * ys + 16 * j, _mm512_add_ps(acc[i][j], b));
+    }
+}
+
+#define DOT_CASE(r, b)                                                                      \
+    case (r) * 8 + (b):                                                                     \
+        dot_kernel(r, b, x, xs, w, k, bias, y, ys);                                         \
+        break;
+#define DOT_ROWS_CASES(r) DOT_CASE(r, 1) DOT_CASE(r, 2) DOT_CASE(r, 3)
+
+static void dot_step(int rows, int blocks, const bf16 *x, int64_t xs, const bf16 *w,
+                     int64_t k, const bf16 *bias, bf16 *y, int64_t ys) {
+    switch (rows * 8 + blocks) {
+        DOT_ROWS_CASES(1)
+        DOT_ROWS_CASES(2)
+        DOT_ROWS_CASES(3)
+        DOT_ROWS_CASES(4)
+        DOT_ROWS_CASES(5)
+        DOT_ROWS_CASES(6)
+        DOT_ROWS_CASES(7)
+        DOT_ROWS_CASES(8)
+    default:
+        break;
+    }
+}
+
+/* As wide_linear_bf16, tasks and all; returns 0. */
+int dot_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *bias,
+                    int64_t m, int64_t n, int64_t k, bf16 *y, int threads) {
+    const int64_t blocks = n / 16, panels = (blocks + DOT_BLOCKS - 1) / DOT_BLOCKS;
+    const int64_t chunks = (m + DP_CHUNK - 1) / DP_CHUNK;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < chunks; c++) {
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t b0 = p * DOT_BLOCKS;
+            const int nb = (int)(blocks - b0 < DOT_BLOCKS ? blocks - b0 : DOT_BLOCKS);
+            const int64_t end = (c + 1) * DP_CHUNK < m ? (c + 1) * DP_CHUNK : m;
+            for (int64_t r = c * DP_CHUNK; r < end; r += DOT_ROWS) {
+                const int rows = (int)(end - r < DOT_ROWS ? end - r : DOT_ROWS);
+                dot_step(rows, nb, x + r * xs, xs, packed + b0 * 16 * k, k,
+                         bias ? bias + 16 * b0 : NULL, y + r * n + 16 * b0, n);
+            }
+        }
+    }
+    return 0;
+}
+
+#else
+
+int dot_linear_built(void) { return 0; }
+
+int dot_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *bias,
+                    int64_t m, int64_t n, int64_t k, bf16 *y, int threads) {
     (void)x, (void)xs, (void)packed, (void)bias, (void)m, (void)n, (void)k, (void)y;
     (void)threads;
     return -1;
