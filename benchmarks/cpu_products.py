@@ -1,7 +1,9 @@
 """The bf16 matrix products of a decoder layer on a CPU: our AVX-512 kernel as float32 FMAs
 over widened weights and as AVX512-BF16 dot products (where the CPU has them), beside
 oneDNN's packed bf16 kernel, torch's bf16 ``linear`` and its float32 one, at torch's thread
-count. Each figure is the median of ``--reps`` calls, the sides' order alternated call by
+count. A call runs the four products of ``--layers`` layers, each with its own weights, so
+that, as in a forward, the weights come from memory rather than from a cache the previous
+call filled. Each figure is the median of ``--reps`` calls, the sides' order alternated call by
 call; the record keeps every call and each side's largest difference from the float32
 product.
 
@@ -39,10 +41,10 @@ def _ours(kernels: native.NativeKernels, dot: bool, x: torch.Tensor, packed: tor
     return kernels.linear(x, packed, n)
 
 
-def run(rows: int, reps: int, kernels: native.NativeKernels) -> dict[str, Any]:
+def run(rows: int, reps: int, kernels: native.NativeKernels, depth: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(rows)
     layers = []
-    for name, n, k in SHAPES:
+    for name, n, k in SHAPES * depth:
         weight = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
         x = torch.randn(rows, k, generator=gen).bfloat16()
         layers.append((name, n, x, weight, kernels.pack(weight),
@@ -73,7 +75,7 @@ def run(rows: int, reps: int, kernels: native.NativeKernels) -> dict[str, Any]:
                 times[name].append(_ms(sides[name]))
     finally:
         kernels.dot = dot
-    flops = 2 * rows * sum(n * k for _, n, k in SHAPES)
+    flops = 2 * rows * depth * sum(n * k for _, n, k in SHAPES)
     median = {name: statistics.median(t) for name, t in times.items()}
     return {"rows": rows, "flops": flops, "median_ms": median,
             "gflops": {name: flops / ms / 1e6 for name, ms in median.items()},
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256, 4096])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=30, help="SmolLM2-135M has 30")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     kernels = native.load()
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print("our AVX-512 product does not run here (no AVX-512, or AMX takes over)",
               file=sys.stderr)
         return 1
-    results = [run(r, args.reps, kernels) for r in args.rows]
+    results = [run(r, args.reps, kernels, args.layers) for r in args.rows]
     for result in results:
         print(f"{result['rows']:5d} rows: " + ", ".join(
             f"{name} {ms:.3f} ms ({result['gflops'][name]:.0f} GFLOP/s)"
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "cpu_products", "command": "python -m benchmarks.cpu_products "
         + " ".join(sys.argv[1:] if argv is None else argv), "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d"), "machine": machine(), "shapes": SHAPES,
+        "layers": args.layers,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "dot_by_default": kernels.dot, "results": results})
     return 0
