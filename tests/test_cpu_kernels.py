@@ -87,6 +87,45 @@ def test_decode_attention_of_bf16_queries_is_the_float32_result_rounded(
         assert torch.equal(out, wide.bfloat16())
 
 
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"),
+                         [(9, 3, 64), (4, 4, 128), (6, 2, 48), (4, 2, 40)])
+def test_a_chunks_queries_attended_together_give_each_querys_own_bits(
+        march: str, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> None:
+    """The batch-invariant mode's prefill: every new token one query at its own position.
+    The kernel attends one request's consecutive queries together; each query's output must
+    be exactly what it gives alone, in bf16 and float32 io, with and without a window, and
+    SDPA's within float32 rounding. Chunks from position 0 and after a cached prefix,
+    shorter and longer than a run, ending inside a key block and on its edge."""
+    kernels = _build(march)
+    gen = torch.Generator().manual_seed(5)
+    chunks = [(0, 1), (0, 40), (5, 17), (16, 16), (33, 3), (0, 70), (2, 30)]
+    page, width = 16, 128
+    n = len(chunks)
+    k = torch.randn(n * width, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(n * width, kv_heads, dim, generator=gen).to(dtype)
+    pages = torch.randperm(n * width // page, generator=gen).view(n, -1)
+    table = (pages[:, :, None] * page + torch.arange(page)).view(n, -1).contiguous()
+    rows = torch.cat([torch.full((new,), i, dtype=torch.int64)
+                      for i, (_, new) in enumerate(chunks)])
+    lens = torch.cat([torch.arange(start + 1, start + new + 1, dtype=torch.int64)
+                      for start, new in chunks])
+    q = torch.randn(rows.shape[0], heads, dim, generator=gen)
+    longest, scale = int(lens.max()), dim**-0.5
+    for queries in (q, q.bfloat16()):
+        for window in (None, 20):
+            together = kernels.decode_attention(queries, k, v, table, rows, lens, scale,
+                                                longest, window)
+            alone = torch.cat([kernels.decode_attention(
+                queries[i:i + 1], k, v, table, rows[i:i + 1], lens[i:i + 1], scale,
+                int(lens[i]), window) for i in range(rows.shape[0])])
+            assert torch.equal(together, alone)
+    out = kernels.decode_attention(q, k, v, table, rows, lens, scale, longest)
+    torch.testing.assert_close(out, _reference(q, k, v, table, rows, lens, scale),
+                               rtol=1e-5, atol=2e-6)
+
+
 def test_the_avx2_and_native_builds_agree_and_outputs_do_not_depend_on_the_batch() -> None:
     if not _cpu_has("avx2"):
         pytest.skip("needs AVX2")

@@ -157,7 +157,9 @@ class NativeKernels:
         [slots, kv_heads, dim]: the attention output [batch, heads, dim], in bfloat16 for a
         bfloat16 ``q`` (computed in float32, rounded once), else in float32. ``max_len``
         bounds ``lens``; every tensor is on the CPU and contiguous. With a ``window`` only
-        the last ``window`` keys of each request are read."""
+        the last ``window`` keys of each request are read. Consecutive queries of one row
+        at consecutive lengths (a prefill chunk's tokens) are attended together, each with
+        the bits it has alone."""
         if q.dtype != torch.bfloat16:
             q = q.to(torch.float32)
         q = q.contiguous()

@@ -18,6 +18,13 @@
  *
  * A sliding window (``window`` > 0) attends only the last ``window`` positions: the task
  * starts its slots there, so the keys before it are never read.
+ *
+ * The batch-invariant mode attends each new token of a prefill chunk as one query of this
+ * kernel, at its own position, so that a token's output never depends on how it was
+ * batched. Such queries come in runs (one request, consecutive positions); a run of up to
+ * sixteen is one task of the blocked path, which widens each key and value block once for
+ * the run rather than once per query and still computes every query exactly as a task of
+ * its own would (MULTI below says why the bits agree).
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,22 +51,75 @@ INLINE void load_bf16(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = from_bf16(src[i]);
 }
 
-/* The softmax of each head's scores [group][len], in place. */
-INLINE void softmax_rows(float *scores, int64_t group, int64_t len) {
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+INLINE vf pick(vi mask, vf a, vf b) { /* a where mask is set, else b */
+    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+}
+
+/* exp_nonpositive on sixteen lanes, each lane's arithmetic exp_clamped's (floorf done as a
+ * truncation moved down where it rounded up), so a lane gives the scalar's bits. */
+INLINE vf exp16_nonpositive(vf x) {
+    const vf low = (vf){0} - 87.0f;
+    x = pick(x < low, low, x);
+    const vf t = x * 1.44269504088896341f + 0.5f;
+    vi ti = __builtin_convertvector(t, vi);
+    ti += t < __builtin_convertvector(ti, vf);
+    const vf k = __builtin_convertvector(ti, vf);
+    const vf f = x - k * 0.693359375f + k * 2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = p * f * f + f + 1.0f;
+    return p * (vf)((vu)(ti + 127) << 23);
+}
+
+INLINE vf load16(const float *p) {
+    vf x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+/* The softmax of each head's scores [group][len], in place: sixteen lanes at a time (GCC's
+ * loop vectorizer leaves these loops scalar), the rest of a row one by one; the sum is the
+ * lanes' partial sums added lane by lane, then the rest. Not inlined: one compiled body, so
+ * the one-query and the many-query tasks below sum a row in one order. */
+__attribute__((noinline)) static void softmax_rows(float *scores, int64_t group, int64_t len) {
+    const int64_t whole = len / 16 * 16;
     for (int64_t h = 0; h < group; h++) {
         float *sh = scores + h * len;
         float top = sh[0];
-#pragma omp simd reduction(max : top)
-        for (int64_t j = 1; j < len; j++) top = sh[j] > top ? sh[j] : top;
+        if (whole) {
+            vf m = load16(sh);
+            for (int64_t j = 16; j < whole; j += 16) {
+                const vf x = load16(sh + j);
+                m = pick(x > m, x, m);
+            }
+            for (int l = 0; l < 16; l++) top = m[l] > top ? m[l] : top;
+        }
+        for (int64_t j = whole; j < len; j++) top = sh[j] > top ? sh[j] : top;
+        vf lanes = {0};
+        for (int64_t j = 0; j < whole; j += 16) {
+            const vf e = exp16_nonpositive(load16(sh + j) - top);
+            memcpy(sh + j, &e, sizeof e);
+            lanes += e;
+        }
         float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < len; j++) {
+        for (int l = 0; l < 16; l++) sum += lanes[l];
+        for (int64_t j = whole; j < len; j++) {
             sh[j] = exp_nonpositive(sh[j] - top);
             sum += sh[j];
         }
         const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < len; j++) sh[j] *= inv;
+        for (int64_t j = 0; j < whole; j += 16) {
+            const vf e = load16(sh + j) * inv;
+            memcpy(sh + j, &e, sizeof e);
+        }
+        for (int64_t j = whole; j < len; j++) sh[j] *= inv;
     }
 }
 
@@ -100,8 +160,6 @@ TASK(task_bf16, uint16_t, load_bf16)
 
 /* ---- the blocked path (head size a multiple of 16) ---- */
 
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
 #define BLOCK 16
 
@@ -225,15 +283,147 @@ INLINE void fetch_rows(const void *base, const int64_t *slots, int64_t n, int64_
 BLOCKED(blocked_f32, float, widen_rows_f32)
 BLOCKED(blocked_bf16, uint16_t, widen_rows_bf16)
 
+/* Keys j of one block for ``quad`` queries of one head at once: a[q] += p[q][j] times the
+ * block's row j, or (past the query's end ends[q], where p[q][j] is 0) times the zero row
+ * ``zeros``, as BLOCKED adds each key of its zero-padded block, in order of j. The quad's
+ * sums stay in registers (``quad`` and ``nc`` constant where it is inlined), four
+ * independent chains per query instead of BLOCKED's one query's four. */
+INLINE void values_block(const int quad, const int64_t nc, const float *const *p,
+                         const int64_t *ends, const vf *rows, const vf *zeros, vf *const *a) {
+    vf sum[4][8];
+    for (int q = 0; q < quad; q++)
+        for (int64_t c = 0; c < nc; c++) sum[q][c] = a[q][c];
+    for (int64_t j = 0; j < BLOCK; j++)
+        for (int q = 0; q < quad; q++) {
+            const vf *r = j < ends[q] ? rows + j * nc : zeros;
+            const float pj = p[q][j];
+            for (int64_t c = 0; c < nc; c++) sum[q][c] += pj * r[c];
+        }
+    for (int q = 0; q < quad; q++)
+        for (int64_t c = 0; c < nc; c++) a[q][c] = sum[q][c];
+}
+
+/* m consecutive queries of one request at once (a prefill chunk's, in the batch-invariant
+ * mode): query i attends slots[0 .. len0 + i]. Each key (value) block is widened once for
+ * all of them instead of once per query, and each query is computed as BLOCKED computes
+ * it, in the same order: its scores lane by lane (a score depends on its key alone, so a
+ * block holding keys past a query's end gives it the same ones, and the softmax never reads
+ * past the end); its sums over values key by key as BLOCKED adds its zero-padded block (a
+ * zero row ``zeros`` past the query's end, so a later token's values never enter). So the
+ * results are BLOCKED's, bit for bit. q [m][group][nc] scaled; scores [m][group][padded];
+ * acc [m][group][nc]; out [m][group][nc * 16]. */
+#define MULTI(NAME, KV_T, WIDEN_FN)                                                          \
+    INLINE void NAME(const vf *q, int64_t m, const KV_T *k, const KV_T *v,                   \
+                     const int64_t *slots, int64_t len0, int64_t stride, int64_t group,      \
+                     const int64_t nc, int64_t padded, float *scores, vf *rows, vf *zeros,   \
+                     vf *acc, float *out) {                                                  \
+        const int64_t len = len0 + m;                                                        \
+        const int64_t row_bytes = stride * (int64_t)sizeof(KV_T);                           \
+        const int64_t head_bytes = nc * 16 * (int64_t)sizeof(KV_T);                          \
+        fetch_rows(k, slots, len, row_bytes, head_bytes);                                    \
+        fetch_rows(k, slots + BLOCK, len - BLOCK, row_bytes, head_bytes);                    \
+        for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {                                        \
+            const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;                           \
+            WIDEN_FN(k, slots + j0, n, stride, nc, rows);                                    \
+            fetch_rows(k, slots + j0 + AHEAD, len - j0 - AHEAD, row_bytes, head_bytes);      \
+            for (int64_t i = 0; i < m; i++) {                                                \
+                if (len0 + i + 1 <= j0) continue;                                            \
+                for (int64_t h = 0; h < group; h++) {                                        \
+                    const vf *qh = q + (i * group + h) * nc;                                 \
+                    vf part[BLOCK];                                                          \
+                    for (int64_t j = 0; j < BLOCK; j++) {                                    \
+                        vf s = qh[0] * rows[j * nc];                                         \
+                        for (int64_t c = 1; c < nc; c++) s += qh[c] * rows[j * nc + c];      \
+                        part[j] = s;                                                         \
+                    }                                                                        \
+                    const vf sums = sum16(part);                                             \
+                    memcpy(scores + (i * group + h) * padded + j0, &sums, sizeof sums);      \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        fetch_rows(v, slots, len, row_bytes, head_bytes);                                    \
+        fetch_rows(v, slots + BLOCK, len - BLOCK, row_bytes, head_bytes);                    \
+        for (int64_t i = 0; i < m; i++) {                                                    \
+            const int64_t li = len0 + i + 1, pi = (li + BLOCK - 1) / BLOCK * BLOCK;          \
+            for (int64_t h = 0; h < group; h++) {                                            \
+                float *sh = scores + (i * group + h) * padded;                               \
+                softmax_rows(sh, 1, li);                                                     \
+                for (int64_t j = li; j < pi; j++) sh[j] = 0.0f;                              \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t i = 0; i < m * group * nc; i++) acc[i] = (vf){0};                       \
+        for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {                                        \
+            const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;                           \
+            WIDEN_FN(v, slots + j0, n, stride, nc, rows);                                    \
+            fetch_rows(v, slots + j0 + AHEAD, len - j0 - AHEAD, row_bytes, head_bytes);      \
+            /* The queries that reach this block: those from i = j0 - len0 on. */            \
+            const int64_t from = j0 - len0 > 0 ? j0 - len0 : 0;                              \
+            for (int64_t h = 0; h < group; h++) {                                            \
+                int64_t i = from;                                                            \
+                const int quad = nc == 4 ? 4 : nc == 8 ? 2 : 0;                              \
+                for (; quad && i + quad <= m; i += quad) {                                   \
+                    const float *p[4];                                                       \
+                    int64_t ends[4];                                                         \
+                    vf *a[4];                                                                \
+                    for (int q = 0; q < quad; q++) {                                         \
+                        const int64_t li = len0 + i + q + 1;                                 \
+                        p[q] = scores + ((i + q) * group + h) * padded + j0;                 \
+                        ends[q] = li - j0 < BLOCK ? li - j0 : BLOCK;                         \
+                        a[q] = acc + ((i + q) * group + h) * nc;                             \
+                    }                                                                        \
+                    if (nc == 4)                                                             \
+                        values_block(4, 4, p, ends, rows, zeros, a);                         \
+                    else                                                                     \
+                        values_block(2, 8, p, ends, rows, zeros, a);                         \
+                }                                                                            \
+                for (; i < m; i++) {                                                         \
+                    const int64_t li = len0 + i + 1;                                         \
+                    const int64_t ni = li - j0 < BLOCK ? li - j0 : BLOCK;                    \
+                    const float *p = scores + (i * group + h) * padded + j0;                 \
+                    vf *ah = acc + (i * group + h) * nc;                                     \
+                    for (int64_t j = 0; j < BLOCK; j++) {                                    \
+                        const vf *r = j < ni ? rows + j * nc : zeros;                        \
+                        for (int64_t c = 0; c < nc; c++) ah[c] += p[j] * r[c];               \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        memcpy(out, acc, sizeof(vf) * (size_t)(m * group * nc));                             \
+    }
+
+MULTI(multi_f32, float, widen_rows_f32)
+MULTI(multi_bf16, uint16_t, widen_rows_bf16)
+
 INLINE void *scratch(size_t bytes) {
     return aligned_alloc(64, (bytes + 63) / 64 * 64);
 }
 
+/* Where the runs of consecutive queries start: query b continues b - 1's run when both are
+ * of one row of the table at consecutive lengths (a prefill chunk in the batch-invariant
+ * mode), with no window and room in the run (QUERIES at most). first[t], count[t]: run t. */
+#define QUERIES 16
+static int64_t find_runs(const int64_t *rows, const int64_t *lens, int64_t batch, int multi,
+                         int64_t *first, int64_t *count) {
+    int64_t runs = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        if (multi && runs && rows[b] == rows[b - 1] && lens[b] == lens[b - 1] + 1 &&
+            count[runs - 1] < QUERIES) {
+            count[runs - 1]++;
+            continue;
+        }
+        first[runs] = b;
+        count[runs++] = 1;
+    }
+    return runs;
+}
+
 /* q [batch, heads, dim]; pools [slots, kv_heads, dim]; table [*, width] int64 slot of each
  * position; rows, lens [batch]; out [batch, heads, dim]. q and out are float32, or with
- * ``bf16_io`` bfloat16 (out rounded once from the float32 result, as a cast would). Request
- * b attends positions lens[b] - window .. lens[b] - 1 (from 0; window <= 0: all of them). */
-#define DECODE(NAME, KV_T, TASK_FN, BLOCKED_FN)                                              \
+ * ``bf16_io`` bfloat16 (out rounded once from the float32 result, as a cast would). Query
+ * b attends positions lens[b] - window .. lens[b] - 1 (from 0; window <= 0: all of them).
+ * Runs of one request's consecutive queries (find_runs) are tasks of MULTI, with BLOCKED's
+ * results; the last runs go first, the longest where a chunk's queries follow its order. */
+#define DECODE(NAME, KV_T, TASK_FN, BLOCKED_FN, MULTI_FN)                                    \
     void NAME(const void *q_in, const KV_T *k_pool, const KV_T *v_pool,                      \
               const int64_t *table, int64_t width, const int64_t *rows, const int64_t *lens, \
               void *out_v, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,      \
@@ -241,27 +431,49 @@ INLINE void *scratch(size_t bytes) {
         const int64_t group = heads / kv_heads, stride = kv_heads * dim, nc = dim / 16;      \
         const int blocked = dim % 16 == 0;                                                   \
         const int64_t padded = (max_len + BLOCK - 1) / BLOCK * BLOCK;                        \
+        int64_t *first = malloc(sizeof(int64_t) * (size_t)(2 * batch + 2));                 \
+        int64_t *count = first + batch + 1;                                                  \
+        const int64_t runs = find_runs(rows, lens, batch, blocked && window <= 0, first,     \
+                                       count);                                               \
+        int64_t most = 1;                                                                    \
+        for (int64_t t = 0; t < runs; t++) most = count[t] > most ? count[t] : most;         \
         _Pragma("omp parallel num_threads(threads)") {                                       \
-            float *scores = scratch(sizeof(float) * (size_t)(group * padded));               \
-            float *acc = scratch(sizeof(float) * (size_t)(group * dim));                     \
-            float *qs = scratch(sizeof(float) * (size_t)(group * dim));                      \
-            float *res = scratch(sizeof(float) * (size_t)(group * dim));                     \
+            float *scores = scratch(sizeof(float) * (size_t)(most * group * padded));        \
+            float *acc = scratch(sizeof(float) * (size_t)(most * group * dim));              \
+            float *qs = scratch(sizeof(float) * (size_t)(most * group * dim));               \
+            float *res = scratch(sizeof(float) * (size_t)(most * group * dim));              \
             vf *block = scratch(sizeof(float) * (size_t)(BLOCK * dim));                      \
+            vf *zeros = scratch(sizeof(float) * (size_t)dim);                                \
+            memset(zeros, 0, sizeof(float) * (size_t)dim);                                   \
             _Pragma("omp for collapse(2) schedule(dynamic, 1)")                              \
-            for (int64_t b = 0; b < batch; b++) {                                            \
+            for (int64_t u = 0; u < runs; u++) {                                             \
                 for (int64_t g = 0; g < kv_heads; g++) {                                     \
-                    const int64_t at = (b * heads + g * group) * dim;                        \
+                    const int64_t t = most > 1 ? runs - 1 - u : u, b = first[t], m = count[t];        \
                     const KV_T *k = k_pool + g * dim, *v = v_pool + g * dim;                 \
-                    const int64_t first =                                                    \
+                    const int64_t first_pos =                                                \
                         window > 0 && lens[b] > window ? lens[b] - window : 0;               \
-                    const int64_t *slots = table + rows[b] * width + first;                  \
-                    const int64_t len = lens[b] - first;                                     \
+                    const int64_t *slots = table + rows[b] * width + first_pos;              \
+                    const int64_t len = lens[b] - first_pos;                                 \
                     const float f = blocked ? scale : 1.0f;                                  \
-                    for (int64_t i = 0; i < group * dim; i++)                                \
-                        qs[i] = (bf16_io ? from_bf16(((const bf16 *)q_in)[at + i])           \
-                                         : ((const float *)q_in)[at + i]) * f;               \
-                    if (blocked) {                                                           \
-                        const vf *qv = (const vf *)qs;                                       \
+                    for (int64_t i = 0; i < m; i++) {                                        \
+                        const int64_t at = ((b + i) * heads + g * group) * dim;              \
+                        for (int64_t e = 0; e < group * dim; e++)                            \
+                            qs[i * group * dim + e] =                                        \
+                                (bf16_io ? from_bf16(((const bf16 *)q_in)[at + e])           \
+                                         : ((const float *)q_in)[at + e]) * f;               \
+                    }                                                                        \
+                    const vf *qv = (const vf *)qs;                                           \
+                    if (m > 1) {                                                             \
+                        if (nc == 4)                                                         \
+                            MULTI_FN(qv, m, k, v, slots, len - 1, stride, group, 4, padded,  \
+                                     scores, block, zeros, (vf *)acc, res);                  \
+                        else if (nc == 8)                                                    \
+                            MULTI_FN(qv, m, k, v, slots, len - 1, stride, group, 8, padded,  \
+                                     scores, block, zeros, (vf *)acc, res);                  \
+                        else                                                                 \
+                            MULTI_FN(qv, m, k, v, slots, len - 1, stride, group, nc, padded, \
+                                     scores, block, zeros, (vf *)acc, res);                  \
+                    } else if (blocked) {                                                    \
                         if (nc == 4)                                                         \
                             BLOCKED_FN(qv, k, v, slots, len, stride, group, 4, scores,       \
                                        block, (vf *)acc, res);                               \
@@ -275,12 +487,16 @@ INLINE void *scratch(size_t bytes) {
                         TASK_FN(qs, k, v, slots, len, stride, group, dim, scale, scores,     \
                                 acc, res);                                                   \
                     }                                                                        \
-                    if (bf16_io)                                                             \
-                        for (int64_t i = 0; i < group * dim; i++)                            \
-                            ((bf16 *)out_v)[at + i] = to_bf16(res[i]);                       \
-                    else                                                                     \
-                        memcpy((float *)out_v + at, res,                                     \
-                               sizeof(float) * (size_t)(group * dim));                       \
+                    for (int64_t i = 0; i < m; i++) {                                        \
+                        const int64_t at = ((b + i) * heads + g * group) * dim;              \
+                        const float *r = res + i * group * dim;                              \
+                        if (bf16_io)                                                         \
+                            for (int64_t e = 0; e < group * dim; e++)                        \
+                                ((bf16 *)out_v)[at + e] = to_bf16(r[e]);                     \
+                        else                                                                 \
+                            memcpy((float *)out_v + at, r,                                   \
+                                   sizeof(float) * (size_t)(group * dim));                   \
+                    }                                                                        \
                 }                                                                            \
             }                                                                                \
             free(scores);                                                                    \
@@ -288,8 +504,10 @@ INLINE void *scratch(size_t bytes) {
             free(qs);                                                                        \
             free(res);                                                                       \
             free(block);                                                                     \
+            free(zeros);                                                                     \
         }                                                                                    \
+        free(first);                                                                         \
     }
 
-DECODE(decode_attention_f32, float, task_f32, blocked_f32)
-DECODE(decode_attention_bf16, uint16_t, task_bf16, blocked_bf16)
+DECODE(decode_attention_f32, float, task_f32, blocked_f32, multi_f32)
+DECODE(decode_attention_bf16, uint16_t, task_bf16, blocked_bf16, multi_bf16)
