@@ -9,7 +9,14 @@ alternated, on a quiet machine and beside a competing busy process pinned to one
 
 Each run starts the server, waits for ``/health``, runs the client once, reads the server's
 CPU time (every process of its tree, user and system) before and after the client, and
-stops the server. The record keeps the client's own result file of every run.
+stops the server. The record keeps the client's own result file of every run, and under
+``busy`` the share of its core the busy process got while the server computed.
+
+The server, the busy process and the client share one session, so Linux schedules them in
+one group (autogroup): a server in a session of its own (``--own-session``, as before) is a
+group of its own, and a group whose thread bound to the busy core shares that core with
+threads that wake often (vLLM's gloo threads do) can keep the busy process off it for the
+whole run (``python -m benchmarks.core_share`` shows it without a server).
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,28 +119,64 @@ def cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def busy_core(load: str) -> Iterator[None]:
-    """With ``busy``, a process spinning on core 0 for as long as the block runs."""
+def busy_core(load: str) -> Iterator[int | None]:
+    """With ``busy``, a process spinning on core 0 for as long as the block runs: its pid."""
     if load == "quiet":
-        yield
+        yield None
         return
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
                                preexec_fn=lambda: os.sched_setaffinity(0, {0}))
     try:
-        yield
+        yield spinner.pid
     finally:
         spinner.kill()
         spinner.wait()
 
 
+class Sampler:
+    """CPU seconds of the server's tree and of the busy process, every ``period`` seconds
+    in a thread, for the busy process's share of its core while the server computed."""
+
+    def __init__(self, server: int, load: int | None, period: float = 0.1) -> None:
+        self.server, self.load, self.period = server, load, period
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            load = cpu_seconds(self.load) if self.load is not None else 0.0
+            self.samples.append((time.monotonic(), cpu_seconds(self.server), load))
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def load_share(self) -> float | None:
+        """The busy process's CPU over the intervals in which the server used at least half
+        a core, per second of them; None without a busy process or such intervals."""
+        spans = [(b[0] - a[0], b[2] - a[2]) for a, b in zip(self.samples, self.samples[1:])
+                 if b[1] - a[1] >= 0.5 * (b[0] - a[0])]
+        if self.load is None or not spans:
+            return None
+        return sum(load for _, load in spans) / sum(length for length, _ in spans)
+
+
 @contextlib.contextmanager
-def server(command: list[str], env: dict[str, str], log: Path,
-           timeout: float) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """A server on a free port, once /health answers; stopped (SIGINT, then SIGKILL)."""
+def server(command: list[str], env: dict[str, str], log: Path, timeout: float,
+           own_session: bool = False) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A server on a free port, once /health answers; stopped (SIGINT, then SIGKILL). It
+    runs in a process group of its own, in this session unless ``own_session``."""
     port = free_port()
+    group: dict[str, Any] = {"start_new_session": True} if own_session else {"process_group": 0}
     with log.open("wb") as out:
         proc = subprocess.Popen([*command, "--port", str(port)], env={**os.environ, **env},
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=out, stderr=subprocess.STDOUT, **group)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
@@ -182,9 +226,12 @@ def run_one(name: str, load: str, spec: tuple[list[str], dict[str, str]],
             args: argparse.Namespace, work: Path, index: int) -> dict[str, Any]:
     command, env = spec
     log = work / f"{index:02d}-{name}-{load}.log"
-    with busy_core(load), server(command, env, log, args.start_timeout) as (proc, url):
+    with busy_core(load) as spinner, server(command, env, log, args.start_timeout,
+                                            args.own_session) as (proc, url):
         before, start = cpu_seconds(proc.pid), time.monotonic()
-        result = client(args.vllm_python, url, args, work / f"{index:02d}-{name}-{load}.json")
+        with Sampler(proc.pid, spinner) as sampler:
+            result = client(args.vllm_python, url, args,
+                            work / f"{index:02d}-{name}-{load}.json")
         cpu, wall = cpu_seconds(proc.pid) - before, time.monotonic() - start
     tokens = result["total_output_tokens"]
     return {"variant": name, "load": load, "server_command": command, "server_env": env,
@@ -192,7 +239,13 @@ def run_one(name: str, load: str, spec: tuple[list[str], dict[str, str]],
             "completed": result["completed"], "server_cpu_s": cpu, "wall_s": wall,
             "server_cpu_ms_per_output_token": 1000 * cpu / max(tokens, 1),
             "median_ttft_ms": result.get("median_ttft_ms"),
-            "median_tpot_ms": result.get("median_tpot_ms"), "client_result": result}
+            "median_tpot_ms": result.get("median_tpot_ms"),
+            "load_core_share": sampler.load_share(), "client_result": result}
+
+
+def median_or_none(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -206,6 +259,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                    "median_server_cpu_ms_per_output_token": statistics.median(
                        r["server_cpu_ms_per_output_token"] for r in mine
                        if r["variant"] == name),
+                   "median_load_core_share": median_or_none(
+                       r.get("load_core_share") for r in mine if r["variant"] == name),
                    "runs": sum(r["variant"] == name for r in mine)}
             for name in dict.fromkeys(r["variant"] for r in mine)}
     return summary
@@ -226,6 +281,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-rate", default="inf")
     parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--own-session", action="store_true",
+                        help="start each server in a session (a scheduling group) of its own")
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args()
     venv = Path(args.vllm_venv).expanduser()
@@ -245,8 +302,10 @@ def main() -> None:
                     spec = variant(name, specs)
                     assert spec is not None
                     run = run_one(name, load, spec, args, work, len(runs))
+                    share = run["load_core_share"]
                     print(f"{load:5s} {name:20s} {run['output_tok_s']:7.2f} tok/s  "
-                          f"{run['server_cpu_ms_per_output_token']:6.1f} CPU ms/token",
+                          f"{run['server_cpu_ms_per_output_token']:6.1f} CPU ms/token"
+                          + ("" if share is None else f"  load {share:.2f} of its core"),
                           flush=True)
                     runs.append(run)
     finally:
