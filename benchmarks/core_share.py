@@ -6,9 +6,9 @@ core 0, the server in the busy process's session or in one of its own
     python -m benchmarks.core_share --seconds 4 --json docs/benchmarks/core-share.json
 
 Every process here spins or sleeps in pure Python, pinned to one core. The busy process
-(core 0) stays in this driver's session; the server side (a spinner on core 0, one on core
-1, and the waker when asked) runs under a leader started in this session or in a new one:
-Linux's autogroups put each session in a scheduling group of its own. The record has each
+(core 0) stays in the driver's own session; the server side (a spinner on core 0, one on
+core 1, and the waker when asked) runs under a leader started in the driver's session or in
+a new one: Linux's autogroups put each session in a scheduling group of its own. The record has each
 case's CPU seconds per second of the busy process and of the server's spinner on core 0.
 """
 
@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.cpu_serve import cpu_seconds
+from benchmarks.cpu_serve import cpu_seconds, own_group
 from benchmarks.util import git_commit, machine, process_tree, write_report
 
 SPIN = "import os; os.sched_setaffinity(0, {%d})\nwhile True: pass"
@@ -45,8 +45,7 @@ def one_case(own_session: bool, waker: bool, seconds: float) -> dict[str, Any]:
     ``seconds``."""
     busy = subprocess.Popen([sys.executable, "-c", SPIN % 0])
     codes = [SPIN % 0, SPIN % 1, *([WAKE] if waker else [])]
-    group: dict[str, Any] = {"start_new_session": True} if own_session else {"process_group": 0}
-    leader = subprocess.Popen([sys.executable, "-c", LEADER, *codes], **group)
+    leader = subprocess.Popen([sys.executable, "-c", LEADER, *codes], **own_group(own_session))
     try:
         while len(process_tree(leader.pid)) < len(codes):
             time.sleep(0.05)

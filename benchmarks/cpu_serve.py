@@ -137,7 +137,7 @@ class Sampler:
     """CPU seconds of the server's tree and of the busy process, every ``period`` seconds
     in a thread, for the busy process's share of its core while the server computed."""
 
-    def __init__(self, server: int, load: int | None, period: float = 0.1) -> None:
+    def __init__(self, server: int, load: int, period: float = 0.1) -> None:
         self.server, self.load, self.period = server, load, period
         self.samples: list[tuple[float, float, float]] = []
         self._stop = threading.Event()
@@ -145,8 +145,8 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            load = cpu_seconds(self.load) if self.load is not None else 0.0
-            self.samples.append((time.monotonic(), cpu_seconds(self.server), load))
+            self.samples.append((time.monotonic(), cpu_seconds(self.server),
+                                 cpu_seconds(self.load)))
             self._stop.wait(self.period)
 
     def __enter__(self) -> Sampler:
@@ -159,24 +159,29 @@ class Sampler:
 
     def load_share(self) -> float | None:
         """The busy process's CPU over the intervals in which the server used at least half
-        a core, per second of them; None without a busy process or such intervals."""
+        a core, per second of them; None without such intervals."""
         spans = [(b[0] - a[0], b[2] - a[2]) for a, b in zip(self.samples, self.samples[1:])
                  if b[1] - a[1] >= 0.5 * (b[0] - a[0])]
-        if self.load is None or not spans:
+        if not spans:
             return None
         return sum(load for _, load in spans) / sum(length for length, _ in spans)
+
+
+def own_group(own_session: bool) -> dict[str, Any]:
+    """``Popen`` arguments for a process group of its own: in the caller's session (and
+    so its autogroup), or with ``own_session`` in a new one."""
+    return {"start_new_session": True} if own_session else {"process_group": 0}
 
 
 @contextlib.contextmanager
 def server(command: list[str], env: dict[str, str], log: Path, timeout: float,
            own_session: bool = False) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A server on a free port, once /health answers; stopped (SIGINT, then SIGKILL). It
-    runs in a process group of its own, in this session unless ``own_session``."""
+    runs in a process group of its own (``own_group``)."""
     port = free_port()
-    group: dict[str, Any] = {"start_new_session": True} if own_session else {"process_group": 0}
     with log.open("wb") as out:
         proc = subprocess.Popen([*command, "--port", str(port)], env={**os.environ, **env},
-                                stdout=out, stderr=subprocess.STDOUT, **group)
+                                stdout=out, stderr=subprocess.STDOUT, **own_group(own_session))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
@@ -229,7 +234,8 @@ def run_one(name: str, load: str, spec: tuple[list[str], dict[str, str]],
     with busy_core(load) as spinner, server(command, env, log, args.start_timeout,
                                             args.own_session) as (proc, url):
         before, start = cpu_seconds(proc.pid), time.monotonic()
-        with Sampler(proc.pid, spinner) as sampler:
+        sampler = Sampler(proc.pid, spinner) if spinner is not None else None
+        with sampler or contextlib.nullcontext():
             result = client(args.vllm_python, url, args,
                             work / f"{index:02d}-{name}-{load}.json")
         cpu, wall = cpu_seconds(proc.pid) - before, time.monotonic() - start
@@ -240,7 +246,8 @@ def run_one(name: str, load: str, spec: tuple[list[str], dict[str, str]],
             "server_cpu_ms_per_output_token": 1000 * cpu / max(tokens, 1),
             "median_ttft_ms": result.get("median_ttft_ms"),
             "median_tpot_ms": result.get("median_tpot_ms"),
-            "load_core_share": sampler.load_share(), "client_result": result}
+            "load_core_share": sampler.load_share() if sampler else None,
+            "client_result": result}
 
 
 def median_or_none(values: Iterable[float | None]) -> float | None:
