@@ -92,6 +92,24 @@ def test_chat_without_a_template_is_an_invalid_request(smollm2_dir: Path) -> Non
         tok.apply_chat_template(CHAT)
 
 
+def test_warm_builds_the_encoders_so_the_first_encode_builds_nothing(
+    smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tokenizers
+
+    built: list[str] = []
+    from_str = tokenizers.Tokenizer.from_str
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_str",
+                        lambda spec: built.append(spec) or from_str(spec))
+    tok = Tokenizer.from_pretrained(smollm2_dir)
+    assert tok.warm() is tok
+    assert len(built) == 2, "both encoders, special tokens parsed and as text"
+    ids = tok.encode("What is the capital of France?")
+    tok.apply_chat_template(CHAT)
+    assert len(built) == 2, "nothing more on the first requests"
+    assert tok.decode(ids) == "What is the capital of France?"
+
+
 def test_eos_ids_contain_im_end(tok: Tokenizer) -> None:
     assert tok.hf.convert_ids_to_tokens(IM_END) == "<|im_end|>"
     assert IM_END in tok.eos_token_ids

@@ -326,7 +326,8 @@ async def _front(args: argparse.Namespace, info: CoreInfo, addresses: Addresses,
         unwatch.append(watch_exit(parent, fail(lambda: f"the server process {parent} is gone")))
     if starting is not None:
         starting.set_step("loading the tokenizer")
-    tokenizer = await loop.run_in_executor(None, Tokenizer.from_pretrained, info.model_dir)
+    tokenizer = await loop.run_in_executor(
+        None, lambda: Tokenizer.from_pretrained(info.model_dir).warm())
     client = EngineClient(info, addresses, index, workers, tokenizer)
     await client.start()
     client.on_core_exit(fail(lambda: f"the engine core (pid {info.pid}) "
