@@ -93,10 +93,9 @@ class Tokenizer:
 
     def warm(self) -> Tokenizer:
         """Build now what the first encode would otherwise build (the two encoders, a
-        fifth of a second for a 49k vocabulary) and the vocabulary bound: a server does it
-        before it answers ready, so that its first requests do not queue behind it."""
-        self._encoders  # noqa: B018 - cached properties, built for their side effect
-        self.max_token_chars  # noqa: B018
+        fifth of a second for a 49k vocabulary): a server does it before it answers ready,
+        so that its first requests do not queue behind it."""
+        self._encoders  # noqa: B018 - a cached property, built for its side effect
         return self
 
     @functools.cached_property
