@@ -58,7 +58,9 @@ def _reference(q, k, v, table, rows, lens, scale):
 
 @pytest.mark.parametrize("march", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 48)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"),
+                         [(9, 3, 64), (4, 4, 128), (6, 2, 48), (8, 2, 64), (4, 2, 128),
+                          (12, 2, 64)])
 def test_decode_attention_equals_sdpa_over_gathered_kv(march: str, dtype: torch.dtype,
                                                        heads: int, kv_heads: int,
                                                        dim: int) -> None:
@@ -90,7 +92,8 @@ def test_decode_attention_of_bf16_queries_is_the_float32_result_rounded(
 @pytest.mark.parametrize("march", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"),
-                         [(9, 3, 64), (4, 4, 128), (6, 2, 48), (4, 2, 40)])
+                         [(9, 3, 64), (4, 4, 128), (6, 2, 48), (4, 2, 40), (8, 2, 64),
+                          (4, 2, 128), (12, 2, 64)])
 def test_a_chunks_queries_attended_together_give_each_querys_own_bits(
         march: str, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> None:
     """The batch-invariant mode's prefill: every new token one query at its own position.

@@ -9,7 +9,8 @@
  * comes from the same source.
  *
  * Head sizes that are a multiple of 16 take the blocked path: keys are widened to float32
- * sixteen at a time into a small buffer; each head's sixteen dot products are kept as
+ * sixteen at a time into a small buffer (on AVX-512, in registers as each is read: FUSED,
+ * with the same results); each head's sixteen dot products are kept as
  * sixteen vectors of partial sums and reduced together by a transpose (fifteen shuffle-add
  * steps for sixteen keys, where one horizontal sum per key costs about as many each). The
  * vectors are GCC's generic 16-float vectors: one AVX-512 register, or two AVX2 ones. The
@@ -283,6 +284,104 @@ INLINE void fetch_rows(const void *base, const int64_t *slots, int64_t n, int64_
 BLOCKED(blocked_f32, float, widen_rows_f32)
 BLOCKED(blocked_bf16, uint16_t, widen_rows_bf16)
 
+#if defined(__AVX512F__)
+/* BLOCKED's task for AVX-512 builds, with its results bit for bit; part [group][BLOCK]
+ * scratch in place of rows. Each key and value is widened in registers as it is read and
+ * serves every head of the group there, and the values are asked for while the keys are
+ * scored: a fifth off a decode step's attention whose K and V come from memory. A block's
+ * keys past len are not scored (a score's lane is its own key's, and the softmax never
+ * reads past len) and its values past len not added (BLOCKED adds +0 for them, which
+ * leaves every sum as it is). On AVX2, where a 16-float vector is two registers, the
+ * group's queries and sums do not fit the registers, and this is slower than BLOCKED. */
+#define FUSED(NAME, KV_T, LOADV)                                                           \
+    INLINE void NAME(const vf *q, const KV_T *k, const KV_T *v, const int64_t *slots,        \
+                     int64_t len, int64_t stride, int64_t group, const int64_t nc,           \
+                     float *scores, vf *part, vf *acc, float *out) {                          \
+        const int64_t padded = (len + BLOCK - 1) / BLOCK * BLOCK;                            \
+        const int64_t row_bytes = stride * (int64_t)sizeof(KV_T);                           \
+        const int64_t head_bytes = nc * 16 * (int64_t)sizeof(KV_T);                          \
+        fetch_rows(k, slots, len, row_bytes, head_bytes);                                    \
+        fetch_rows(k, slots + BLOCK, len - BLOCK, row_bytes, head_bytes);                    \
+        for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {                                        \
+            const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;                           \
+            fetch_rows(k, slots + j0 + AHEAD, len - j0 - AHEAD, row_bytes, head_bytes);      \
+            fetch_rows(v, slots + j0, n, row_bytes, head_bytes);                             \
+            for (int64_t j = 0; j < n; j++) {                                                \
+                const KV_T *src = k + slots[j0 + j] * stride;                                \
+                vf r[8];                                                                     \
+                for (int64_t c = 0; c < nc; c++) r[c] = LOADV(src + c * 16);                 \
+                for (int64_t h = 0; h < group; h++) {                                        \
+                    const vf *qh = q + h * nc;                                               \
+                    vf s = qh[0] * r[0];                                                     \
+                    for (int64_t c = 1; c < nc; c++) s += qh[c] * r[c];                      \
+                    part[h * BLOCK + j] = s;                                                 \
+                }                                                                            \
+            }                                                                                \
+            for (int64_t h = 0; h < group; h++) {                                            \
+                for (int64_t j = n; j < BLOCK; j++) part[h * BLOCK + j] = (vf){0};           \
+                const vf sums = sum16(part + h * BLOCK);                                     \
+                memcpy(scores + h * padded + j0, &sums, sizeof sums);                        \
+            }                                                                                \
+        }                                                                                    \
+        fetch_rows(v, slots, len, row_bytes, head_bytes);                                    \
+        fetch_rows(v, slots + BLOCK, len - BLOCK, row_bytes, head_bytes);                    \
+        for (int64_t h = 0; h < group; h++) softmax_rows(scores + h * padded, 1, len);       \
+        for (int64_t i = 0; i < group * nc; i++) acc[i] = (vf){0};                           \
+        for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {                                        \
+            const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;                           \
+            fetch_rows(v, slots + j0 + AHEAD, len - j0 - AHEAD, row_bytes, head_bytes);      \
+            for (int64_t j = 0; j < n; j++) {                                                \
+                const KV_T *src = v + slots[j0 + j] * stride;                                \
+                vf r[8];                                                                     \
+                for (int64_t c = 0; c < nc; c++) r[c] = LOADV(src + c * 16);                 \
+                for (int64_t h = 0; h < group; h++) {                                        \
+                    const float pj = scores[h * padded + j0 + j];                            \
+                    for (int64_t c = 0; c < nc; c++) acc[h * nc + c] += pj * r[c];           \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        memcpy(out, acc, sizeof(vf) * (size_t)(group * nc));                                 \
+    }
+
+FUSED(fused_f32, float, widen_f32)
+FUSED(fused_bf16, uint16_t, widen_bf16)
+
+/* The task of every head size a multiple of 16, with the common head sizes (and on
+ * AVX-512 the common group sizes) as constants, so that the loops unroll and the group's
+ * queries and sums stay in registers (a quarter off FUSED over a variable group). */
+#define SIZES(FN, NC)                                                                        \
+    switch (group) {                                                                         \
+    case 1: FN(q, k, v, slots, len, stride, 1, NC, scores, part, acc, out); break;           \
+    case 2: FN(q, k, v, slots, len, stride, 2, NC, scores, part, acc, out); break;           \
+    case 3: FN(q, k, v, slots, len, stride, 3, NC, scores, part, acc, out); break;           \
+    case 4: FN(q, k, v, slots, len, stride, 4, NC, scores, part, acc, out); break;           \
+    default: FN(q, k, v, slots, len, stride, group, NC, scores, part, acc, out);             \
+    }
+#define TASK_F32 fused_f32
+#define TASK_BF16 fused_bf16
+#else
+#define SIZES(FN, NC) FN(q, k, v, slots, len, stride, group, NC, scores, part, acc, out);
+#define TASK_F32 blocked_f32
+#define TASK_BF16 blocked_bf16
+#endif
+
+#define BLOCKED_ANY(NAME, KV_T, FN)                                                          \
+    INLINE void NAME(const vf *restrict q, const KV_T *k, const KV_T *v,                     \
+                     const int64_t *slots, int64_t len, int64_t stride, int64_t group,       \
+                     int64_t nc, float *restrict scores, vf *restrict part,                  \
+                     vf *restrict acc, float *restrict out) {                                \
+        if (nc == 4) {                                                                       \
+            SIZES(FN, 4)                                                                     \
+        } else if (nc == 8) {                                                                \
+            SIZES(FN, 8)                                                                     \
+        } else {                                                                             \
+            FN(q, k, v, slots, len, stride, group, nc, scores, part, acc, out);              \
+        }                                                                                    \
+    }
+
+BLOCKED_ANY(blocked_any_f32, float, TASK_F32)
+BLOCKED_ANY(blocked_any_bf16, uint16_t, TASK_BF16)
+
 /* Keys j of one block for ``quad`` queries of one head at once: a[q] += p[q][j] times the
  * block's row j, or (past the query's end ends[q], where p[q][j] is 0) times the zero row
  * ``zeros``, as BLOCKED adds each key of its zero-padded block, in order of j. The quad's
@@ -442,7 +541,8 @@ static int64_t find_runs(const int64_t *rows, const int64_t *lens, int64_t batch
             float *acc = scratch(sizeof(float) * (size_t)(most * group * dim));              \
             float *qs = scratch(sizeof(float) * (size_t)(most * group * dim));               \
             float *res = scratch(sizeof(float) * (size_t)(most * group * dim));              \
-            vf *block = scratch(sizeof(float) * (size_t)(BLOCK * dim));                      \
+            const int64_t widest = dim > 16 * group ? dim : 16 * group; /* rows, part */    \
+            vf *block = scratch(sizeof(float) * (size_t)(BLOCK * widest));                   \
             vf *zeros = scratch(sizeof(float) * (size_t)dim);                                \
             memset(zeros, 0, sizeof(float) * (size_t)dim);                                   \
             _Pragma("omp for collapse(2) schedule(dynamic, 1)")                              \
@@ -474,15 +574,8 @@ static int64_t find_runs(const int64_t *rows, const int64_t *lens, int64_t batch
                             MULTI_FN(qv, m, k, v, slots, len - 1, stride, group, nc, padded, \
                                      scores, block, zeros, (vf *)acc, res);                  \
                     } else if (blocked) {                                                    \
-                        if (nc == 4)                                                         \
-                            BLOCKED_FN(qv, k, v, slots, len, stride, group, 4, scores,       \
-                                       block, (vf *)acc, res);                               \
-                        else if (nc == 8)                                                    \
-                            BLOCKED_FN(qv, k, v, slots, len, stride, group, 8, scores,       \
-                                       block, (vf *)acc, res);                               \
-                        else                                                                 \
-                            BLOCKED_FN(qv, k, v, slots, len, stride, group, nc, scores,      \
-                                       block, (vf *)acc, res);                               \
+                        BLOCKED_FN(qv, k, v, slots, len, stride, group, nc, scores, block,   \
+                                   (vf *)acc, res);                                          \
                     } else {                                                                 \
                         TASK_FN(qs, k, v, slots, len, stride, group, dim, scale, scores,     \
                                 acc, res);                                                   \
@@ -509,5 +602,5 @@ static int64_t find_runs(const int64_t *rows, const int64_t *lens, int64_t batch
         free(first);                                                                         \
     }
 
-DECODE(decode_attention_f32, float, task_f32, blocked_f32, multi_f32)
-DECODE(decode_attention_bf16, uint16_t, task_bf16, blocked_bf16, multi_bf16)
+DECODE(decode_attention_f32, float, task_f32, blocked_any_f32, multi_f32)
+DECODE(decode_attention_bf16, uint16_t, task_bf16, blocked_any_bf16, multi_bf16)
