@@ -404,22 +404,43 @@ int wide_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define DOT_ROWS 8
 #define DOT_BLOCKS 3
+/* A decode-sized product (more than DOT_ROWS rows, up to DOT_SLICED) goes over k in
+ * slices of DOT_SLICE pairs, every row group in turn on each slice, and asks for the
+ * weights 2 KiB (a slice) ahead: the read of the next slice overlaps the row groups'
+ * arithmetic on this one. Over whole panels, the first group's pass waits on memory and
+ * the later ones' run from L2 with the memory idle. 16 rows by a 30-layer model's weights
+ * streamed from memory: 4-5% less time (12 or more groups, as a prefill's, gain nothing). */
+#define DOT_SLICED 32
+#define DOT_SLICE 32
+#define DOT_AHEAD 2048
 
 int dot_linear_built(void) { return 1; }
 
+/* rows (<= DOT_ROWS) of x by blocks (<= DOT_BLOCKS) blocks of packed weights, over k's
+ * pairs [p0, p1): the sums start at zero where p0 is 0 and from sums (rows x blocks
+ * vectors) elsewhere; they end in y (plus the bias, rounded) where p1 is k / 2 and back in
+ * sums elsewhere. Only the vectors' trips through memory differ from one pass over all of
+ * k, so the results do not. With fetch, each step asks for the weights DOT_AHEAD bytes on
+ * in each block's stream. */
 INLINE void dot_kernel(const int rows, const int blocks, const bf16 *x, int64_t xs,
-                       const bf16 *w, int64_t k, const bf16 *bias, bf16 *y, int64_t ys) {
+                       const bf16 *w, int64_t k, int64_t p0, int64_t p1, __m512 *sums,
+                       const int fetch, const bf16 *bias, bf16 *y, int64_t ys) {
     __m512 acc[DOT_ROWS][DOT_BLOCKS];
 #pragma GCC unroll 8
     for (int i = 0; i < rows; i++)
 #pragma GCC unroll 8
-        for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < blocks; j++)
+            acc[i][j] = p0 ? sums[i * DOT_BLOCKS + j] : _mm512_setzero_ps();
     const int64_t bs = 16 * k;
-    for (int64_t p = 0; p < k / 2; p++) {
+    for (int64_t p = p0; p < p1; p++) {
         __m512bh wv[DOT_BLOCKS];
 #pragma GCC unroll 8
         for (int j = 0; j < blocks; j++)
             wv[j] = (__m512bh)_mm512_load_si512((const void *)(w + j * bs + 32 * p));
+        if (fetch)
+#pragma GCC unroll 8
+            for (int j = 0; j < blocks; j++)
+                _mm_prefetch((const char *)(w + j * bs + 32 * p) + DOT_AHEAD, _MM_HINT_T0);
 #pragma GCC unroll 8
         for (int i = 0; i < rows; i++) {
             int32_t pair;
@@ -428,6 +449,13 @@ INLINE void dot_kernel(const int rows, const int blocks, const bf16 *x, int64_t 
 #pragma GCC unroll 8
             for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
         }
+    }
+    if (p1 < k / 2) {
+#pragma GCC unroll 8
+        for (int i = 0; i < rows; i++)
+#pragma GCC unroll 8
+            for (int j = 0; j < blocks; j++) sums[i * DOT_BLOCKS + j] = acc[i][j];
+        return;
     }
 #pragma GCC unroll 8
     for (int j = 0; j < blocks; j++) {
@@ -439,12 +467,13 @@ INLINE void dot_kernel(const int rows, const int blocks, const bf16 *x, int64_t 
 
 #define DOT_CASE(r, b)                                                                      \
     case (r) * 8 + (b):                                                                     \
-        dot_kernel(r, b, x, xs, w, k, bias, y, ys);                                         \
+        dot_kernel(r, b, x, xs, w, k, p0, p1, sums, fetch, bias, y, ys);                    \
         break;
 #define DOT_ROWS_CASES(r) DOT_CASE(r, 1) DOT_CASE(r, 2) DOT_CASE(r, 3)
 
 static void dot_step(int rows, int blocks, const bf16 *x, int64_t xs, const bf16 *w,
-                     int64_t k, const bf16 *bias, bf16 *y, int64_t ys) {
+                     int64_t k, int64_t p0, int64_t p1, __m512 *sums, int fetch,
+                     const bf16 *bias, bf16 *y, int64_t ys) {
     switch (rows * 8 + blocks) {
         DOT_ROWS_CASES(1)
         DOT_ROWS_CASES(2)
@@ -463,17 +492,24 @@ static void dot_step(int rows, int blocks, const bf16 *x, int64_t xs, const bf16
 int dot_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *bias,
                     int64_t m, int64_t n, int64_t k, bf16 *y, int threads) {
     const int64_t blocks = n / 16, panels = (blocks + DOT_BLOCKS - 1) / DOT_BLOCKS;
-    const int64_t chunks = (m + DP_CHUNK - 1) / DP_CHUNK;
+    const int sliced = m > DOT_ROWS && m <= DOT_SLICED;
+    const int64_t chunk = sliced ? m : DP_CHUNK, chunks = (m + chunk - 1) / chunk;
+    const int64_t slice = sliced ? DOT_SLICE : k / 2;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int64_t c = 0; c < chunks; c++) {
         for (int64_t p = 0; p < panels; p++) {
+            __m512 sums[DOT_SLICED / DOT_ROWS][DOT_ROWS * DOT_BLOCKS];
             const int64_t b0 = p * DOT_BLOCKS;
             const int nb = (int)(blocks - b0 < DOT_BLOCKS ? blocks - b0 : DOT_BLOCKS);
-            const int64_t end = (c + 1) * DP_CHUNK < m ? (c + 1) * DP_CHUNK : m;
-            for (int64_t r = c * DP_CHUNK; r < end; r += DOT_ROWS) {
-                const int rows = (int)(end - r < DOT_ROWS ? end - r : DOT_ROWS);
-                dot_step(rows, nb, x + r * xs, xs, packed + b0 * 16 * k, k,
-                         bias ? bias + 16 * b0 : NULL, y + r * n + 16 * b0, n);
+            const int64_t end = (c + 1) * chunk < m ? (c + 1) * chunk : m;
+            for (int64_t p0 = 0; p0 < k / 2; p0 += slice) {
+                const int64_t p1 = p0 + slice < k / 2 ? p0 + slice : k / 2;
+                for (int64_t r = c * chunk; r < end; r += DOT_ROWS) {
+                    const int rows = (int)(end - r < DOT_ROWS ? end - r : DOT_ROWS);
+                    dot_step(rows, nb, x + r * xs, xs, packed + b0 * 16 * k, k, p0, p1,
+                             sliced ? sums[(r - c * chunk) / DOT_ROWS] : NULL, sliced,
+                             bias ? bias + 16 * b0 : NULL, y + r * n + 16 * b0, n);
+                }
             }
         }
     }
