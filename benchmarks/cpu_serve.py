@@ -74,6 +74,8 @@ def variants(vllm_python: str, model: str) -> dict[str, tuple[list[str], dict[st
         # Every core, not tuned; float32 weights and activations.
         "asyncinfer-threads-all": ([*ours, "--cpu-threads", str(cores)], {}),
         "asyncinfer-fp32": ([*ours, "--dtype", "float32"], {}),
+        # glibc's own heap settings in the engine core (tunables set, to none).
+        "asyncinfer-glibc-heap": (ours, {"GLIBC_TUNABLES": ""}),
         "vllm-bf16": ([*vllm, "--dtype", "bfloat16"], bound),
         "vllm-fp32": ([*vllm, "--dtype", "float32"], bound),
     }

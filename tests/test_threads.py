@@ -84,6 +84,43 @@ def test_the_command_line_sets_the_wait_before_openmp_loads_in_its_children() ->
     assert out[-2:] == ["None", "ACTIVE"]
 
 
+_HEAP_PROBE = (
+    "import ctypes\n"
+    "libc = ctypes.CDLL('libc.so.6')\n"
+    "libc.malloc.restype = ctypes.c_void_p\n"
+    "libc.malloc.argtypes = [ctypes.c_size_t]\n"
+    "at = libc.malloc(20 << 20)\n"
+    "for line in open('/proc/self/maps'):\n"
+    "    lo, hi = (int(x, 16) for x in line.split()[0].split('-'))\n"
+    "    if lo <= at < hi:\n"
+    "        print('heap' if line.rstrip().endswith('[heap]') else 'mapped')\n")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr(
+    "CS_GNU_LIBC_VERSION") is None, reason="glibc's tunables")
+def test_a_process_started_by_the_command_line_keeps_big_buffers_in_its_heap() -> None:
+    """A 20 MiB buffer, a forward's activation at a few thousand tokens, comes from the
+    heap of a process started with the command line's environment, where glibc's defaults
+    map it afresh (and unmap it when freed); tunables the user set win."""
+    probe = ("import os, subprocess, sys\n"
+             "from asyncinfer import cli\n"
+             "sys.argv = ['asyncinfer', 'policies']\n"
+             "cli.main()\n"
+             f"subprocess.run([sys.executable, '-c', {_HEAP_PROBE!r}], check=True)\n")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+
+    def where(environ: dict[str, str], code: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True,
+                              text=True, timeout=120, check=True).stdout.split()[-1]
+
+    assert where(env, _HEAP_PROBE) == "mapped"
+    assert where(env, probe) == "heap"
+    assert threads.malloc_environment(env) == {"GLIBC_TUNABLES": threads.MALLOC_TUNABLES}
+    chosen = {**env, "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert threads.malloc_environment(chosen) == {}
+    assert where(chosen, probe) == "mapped"
+
+
 async def test_an_engine_computes_with_the_threads_it_was_given(tiny_llama_dir: Path) -> None:
     """The count holds in the thread the engine computes in (OpenMP's count is per
     thread: the caller's is left as it was)."""

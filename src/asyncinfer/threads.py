@@ -4,18 +4,20 @@ The cores a process may use are its CPU affinity, capped by its cgroup's CPU quo
 container given 1.5 CPUs of a 64-core host has 2, not 64). OpenMP's threads, torch's and
 the kernels' (the same runtime), spin at every barrier before they sleep; when another
 process holds one of the cores, the spinning thread takes the core the thread it waits
-for needs. See docs/architecture.md, "CPU threads"."""
+for needs. See docs/architecture.md, "CPU threads". The processes that compute also start
+with glibc's heap set for a forward's big, short-lived buffers ("The C heap")."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
-__all__ = ["ThreadTuner", "available_cores", "cpu_threads", "omp_environment",
+__all__ = ["ThreadTuner", "available_cores", "cpu_threads", "malloc_environment", "omp_environment",
            "run_delay_seconds", "set_omp_environment", "threads_chosen"]
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,12 @@ _WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 # How long a thread spins at a barrier before it sleeps, in libgomp's iterations: a few
 # microseconds, where libgomp's own default spins about a thousand times longer.
 SPIN_COUNT = "10000"
+# glibc's malloc in the processes that compute: allocations under 32 MiB (its largest mmap
+# threshold) from the heap, and up to 256 MiB of freed heap kept. Its defaults map a big
+# buffer afresh and unmap it once freed, so a forward's activations (tens of MiB at a few
+# thousand tokens) faulted fresh pages in, page by page, at every forward (docs/
+# architecture.md, "The C heap").
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456"
 
 
 def _cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
@@ -66,11 +74,22 @@ def omp_environment(environ: MutableMapping[str, str] | None = None) -> dict[str
     return {"GOMP_SPINCOUNT": SPIN_COUNT}
 
 
+def malloc_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """What to add to the environment of a process to be started, for its C heap: glibc's
+    tunables MALLOC_TUNABLES, unless the environment already sets tunables of its own."""
+    environ = os.environ if environ is None else environ
+    if "GLIBC_TUNABLES" in environ or not sys.platform.startswith("linux"):
+        return {}
+    return {"GLIBC_TUNABLES": MALLOC_TUNABLES}
+
+
 def set_omp_environment() -> None:
-    """Add :func:`omp_environment` to this process's environment, for the processes it
-    starts (an engine core, tensor-parallel ranks) and for its own OpenMP if it has not
-    loaded yet."""
+    """Add :func:`omp_environment` and :func:`malloc_environment` to this process's
+    environment, for the processes it starts (an engine core, tensor-parallel ranks,
+    replicas) and for its own OpenMP if it has not loaded yet (its heap stays as it
+    started: glibc reads its tunables once, as a process starts)."""
     os.environ.update(omp_environment())
+    os.environ.update(malloc_environment())
 
 
 def _omp_num_threads() -> int | None:
