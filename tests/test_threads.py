@@ -96,8 +96,9 @@ _HEAP_PROBE = (
     "        print('heap' if line.rstrip().endswith('[heap]') else 'mapped')\n")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr(
-    "CS_GNU_LIBC_VERSION") is None, reason="glibc's tunables")
+@pytest.mark.skipif(not sys.platform.startswith("linux")
+                    or "CS_GNU_LIBC_VERSION" not in os.confstr_names
+                    or not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc's tunables")
 def test_a_process_started_by_the_command_line_keeps_big_buffers_in_its_heap() -> None:
     """A 20 MiB buffer, a forward's activation at a few thousand tokens, comes from the
     heap of a process started with the command line's environment, where glibc's defaults
