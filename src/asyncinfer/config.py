@@ -356,6 +356,10 @@ class EngineConfig:
              "topic, buffer_steps, hwm, max_queue_size)")
     max_extend_tokens: int = option(4096, check=_positive,
                                     help="prefill tokens one round may compute")
+    warm_up: bool = option(True, help="on a CPU, compute one forward of max_extend_tokens "
+                                      "prompt tokens at start-up and drop it, so that the "
+                                      "first requests find the memory a full round touches "
+                                      "already in place")
     chunked_prefill: bool = option(True, help="split a prompt longer than max_extend_tokens "
                                               "across rounds (off: refuse it)")
     gpu_memory_utilization: float = option(

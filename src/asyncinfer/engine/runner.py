@@ -27,6 +27,7 @@ from asyncinfer.engine.cuda_graph import CudaGraphs, Graph
 from asyncinfer.engine.grammar import Grammars
 from asyncinfer.engine.invariant import batch_invariant, triton_invariant_path
 from asyncinfer.engine.sampler import Sampler, device_tensor, top_logprobs
+from asyncinfer.engine.warm_up import warm_up
 from asyncinfer.errors import ConfigError
 from asyncinfer.kernels import triton_invariant
 from asyncinfer.kernels.cpu import NativeKernels
@@ -188,6 +189,8 @@ class ModelRunner:
                                  "them)" if self.cpu_threads else ""), backend_name,
                     self.graphs.decode_sizes if self.graphs else "off",
                     (self.graphs.prefill_sizes or "off") if self.graphs else "off")
+        if self.device.type == "cpu" and config.warm_up:
+            warm_up(self, config.max_extend_tokens)
 
     def release_graphs(self) -> None:
         """Drop the captured CUDA graphs and what they hold (the engine is stopping)."""
