@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.logs import configure_logging
 from asyncinfer.options import add_engine_arguments, engine_options, in_flag_terms
-from asyncinfer.threads import set_omp_environment
+from asyncinfer.threads import set_compute_environment
 
 # `generate` runs one request: one request slot is enough, unless --max-running-requests says.
 GENERATE_DEFAULTS = {"max_running_requests": 1}
@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags given, or on this machine, is refused before anything is fetched or loaded. An
     error asyncinfer raises on purpose is one line on stderr, the options it names spelled
     as flags, and exit status 2 (argparse's for a usage error)."""
-    set_omp_environment()  # before torch loads OpenMP here or in the processes started
+    set_compute_environment()  # before torch loads OpenMP here or in the processes started
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose)
     try:

@@ -18,7 +18,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
 __all__ = ["ThreadTuner", "available_cores", "cpu_threads", "malloc_environment", "omp_environment",
-           "run_delay_seconds", "set_omp_environment", "threads_chosen"]
+           "run_delay_seconds", "set_compute_environment", "threads_chosen"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def malloc_environment(environ: MutableMapping[str, str] | None = None) -> dict[
     return {"GLIBC_TUNABLES": MALLOC_TUNABLES}
 
 
-def set_omp_environment() -> None:
+def set_compute_environment() -> None:
     """Add :func:`omp_environment` and :func:`malloc_environment` to this process's
     environment, for the processes it starts (an engine core, tensor-parallel ranks,
     replicas) and for its own OpenMP if it has not loaded yet (its heap stays as it

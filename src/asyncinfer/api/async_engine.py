@@ -30,7 +30,7 @@ from asyncinfer.policies.base import Policy
 from asyncinfer.policies.registry import load_policy
 from asyncinfer.processes import new_event_loop
 from asyncinfer.scheduler.scheduler import Scheduler
-from asyncinfer.threads import set_omp_environment
+from asyncinfer.threads import set_compute_environment
 from asyncinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class AsyncEngine(Front):
         self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(model_dir)
         self._ranks = None
         if needs_ranks(self.config):
-            set_omp_environment()  # the ranks' OpenMP loads after this; ours may have
+            set_compute_environment()  # the ranks' OpenMP loads after this; ours may have
             self._ranks = launch_ranks(self.config, model_dir, given, _follow)
         self._compute: ThreadPoolExecutor | None = _compute_thread()
         try:
