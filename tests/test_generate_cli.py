@@ -133,7 +133,7 @@ def test_boolean_options_take_both_spellings_and_given_flags_build_a_valid_confi
         "--cpu-fp32-compute", "off", "--no-cpu-kernels", "--cpu-threads", "3",
         "--no-batch-invariant",
         "--max-extend-tokens", "256", "--kv-events", "tcp://*:5557",
-        "--chunked-prefill",
+        "--chunked-prefill", "--no-warm-up",
         "--gpu-memory-utilization", "0.8", "--attention-backend", "torch", "--cuda-graph",
         "--cuda-graph-max-bs", "4", "--cuda-graph-max-prefill-tokens", "512", "--tp", "1",
         "--tp-guard-interval", "4",
@@ -144,7 +144,7 @@ def test_boolean_options_take_both_spellings_and_given_flags_build_a_valid_confi
     config = EngineConfig(**options)
     assert (config.chunked_prefill, config.cuda_graph, config.torch_compile, config.freeze_gc,
             config.overlap) == (True, True, False, True, True)
-    assert config.policy_options == {"max_decode_rounds": 2}
+    assert config.policy_options == {"max_decode_rounds": 2} and not config.warm_up
     assert config.kv_events == "tcp://*:5557"
     assert config.kv_cache_gb == 1.5 and config.num_pages == 100 and config.seed == 7
     assert config.cuda_graph_max_prefill_tokens == 512 and config.tp_guard_interval == 4

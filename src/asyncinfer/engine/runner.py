@@ -189,7 +189,7 @@ class ModelRunner:
                                  "them)" if self.cpu_threads else ""), backend_name,
                     self.graphs.decode_sizes if self.graphs else "off",
                     (self.graphs.prefill_sizes or "off") if self.graphs else "off")
-        if self.device.type == "cpu" and config.warm_up:
+        if self.device.type == "cpu" and config.warm_up and self.graphs is None:
             warm_up(self, config.max_extend_tokens)
 
     def release_graphs(self) -> None:

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from asyncinfer.core import Batch
 from asyncinfer.params import SamplingParams
-
-if TYPE_CHECKING:
-    from asyncinfer.engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +34,10 @@ def warm_up_plan(tokens: int, rows: int, context: int, pages: int, page: int
     return (count, per) if per > 0 else (0, 0)
 
 
-def warm_up(runner: ModelRunner, tokens: int) -> None:
-    """One forward of up to ``tokens`` prompt tokens on the runner's first rows and pages,
-    its output dropped and its rows cleared. Its activations leave the C heap grown to a
+def warm_up(runner: Any, tokens: int) -> None:
+    """One forward of up to ``tokens`` prompt tokens on a ModelRunner's first rows and pages
+    (``Any``: the runner imports this module), its output dropped and its rows cleared.
+    Its activations leave the C heap grown to a
     round's size (kept: "The C heap"), and its K and V writes commit the pool's first
     pages, the ones the allocator hands out first."""
     page = runner.page_size
