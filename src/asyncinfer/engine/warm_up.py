@@ -37,9 +37,9 @@ def warm_up_plan(tokens: int, rows: int, context: int, pages: int, page: int
 def warm_up(runner: Any, tokens: int) -> None:
     """One forward of up to ``tokens`` prompt tokens on a ModelRunner's first rows and pages
     (``Any``: the runner imports this module), its output dropped and its rows cleared.
-    Its activations leave the C heap grown to a
-    round's size (kept: "The C heap"), and its K and V writes commit the pool's first
-    pages, the ones the allocator hands out first."""
+    Its activations leave the C heap grown to a round's size (kept: "The C heap"), and
+    its K and V writes commit the pool's first pages, the ones the allocator hands out
+    first."""
     page = runner.page_size
     rows, per = warm_up_plan(tokens, runner.max_rows, runner.context_len, runner.num_pages,
                              page)
