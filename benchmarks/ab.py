@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.util import machine
+from benchmarks.util import machine, run_fresh
 
 # What one run executes, in the checkout under test: only the public API, which both sides
 # share. The workload is drawn as benchmarks.offline's cpu workload (random.Random(0)).
@@ -97,13 +95,9 @@ def _commit(checkout: Path) -> str:
 
 
 def _run(checkout: Path, model: str, dtype: str, variant: str) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(checkout / "src"))
-    done = subprocess.run([sys.executable, "-c", RUN, model, dtype, variant],
-                          capture_output=True,
-                          text=True, env=env, cwd=checkout)
-    if done.returncode != 0:
-        raise RuntimeError(f"run in {checkout} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = run_fresh(RUN, [model, dtype, variant],
+                                       {"PYTHONPATH": str(checkout / "src")}, checkout)
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,15 +12,12 @@ holds none of them), each timed with its minor page faults and user and system C
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 from typing import Any
 
 from asyncinfer.threads import MALLOC_TUNABLES
-from benchmarks.util import git_commit, machine, write_report
+from benchmarks.util import git_commit, machine, run_fresh, write_report
 
 RUN = r"""
 import json, os, random, resource, sys, time
@@ -45,10 +42,8 @@ SETTINGS = {"kept": MALLOC_TUNABLES, "glibc": ""}  # "": tunables set, to none
 
 
 def run(setting: str, prefills: int) -> list[dict[str, float]]:
-    env = {**os.environ, "GLIBC_TUNABLES": SETTINGS[setting]}
-    out = subprocess.run([sys.executable, "-c", RUN, str(prefills)], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    result: list[dict[str, float]] = json.loads(out.splitlines()[-1])
+    result: list[dict[str, float]] = run_fresh(RUN, [str(prefills)],
+                                               {"GLIBC_TUNABLES": SETTINGS[setting]})
     return result
 
 

@@ -30,6 +30,19 @@ def git_commit() -> str:
         return "unknown"
 
 
+def run_fresh(code: str, args: list[str], env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> Any:
+    """Run ``code`` in a fresh Python process with ``args`` (and ``env`` over this process's
+    environment): what its last line of output holds as JSON; its error output where it
+    fails."""
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd)
+    if done.returncode != 0:
+        raise RuntimeError(f"a fresh run failed (exit {done.returncode}):\n"
+                           f"{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def write_report(path: str | None, report: Any) -> None:
     """Write ``report`` as indented JSON to ``path`` (its folder made), if a path is given."""
     if path:

@@ -1,6 +1,6 @@
-"""A discarded forward at start-up on a CPU, as large as a round may be, so that the first
-requests do not pay for the memory a large forward touches first (docs/architecture.md,
-"Warming up")."""
+"""A discarded forward at start-up on a CPU, as many tokens as a round may hold, through the
+model's first layer, so that the first requests do not pay for the memory a large forward
+touches first (docs/architecture.md, "Warming up")."""
 
 from __future__ import annotations
 
@@ -35,10 +35,11 @@ def warm_up_plan(tokens: int, rows: int, context: int, pages: int, page: int
 
 
 def warm_up(runner: Any, tokens: int) -> None:
-    """One forward of up to ``tokens`` prompt tokens on a ModelRunner's first rows and pages
-    (``Any``: the runner imports this module), its output dropped and its rows cleared.
-    Its activations leave the C heap grown to a round's size (kept: "The C heap"), and
-    its K and V writes commit the pool's first pages, the ones the allocator hands out
+    """One forward of up to ``tokens`` prompt tokens through the first layer, on a
+    ModelRunner's first rows and pages (``Any``: the runner imports this module), its
+    output dropped and its rows cleared. Its activations leave the C heap grown to a
+    round's size (kept: "The C heap"; every layer's are alike); the pool's pages those
+    rows hold are written in every layer, which commits the pages the allocator hands out
     first."""
     page = runner.page_size
     rows, per = warm_up_plan(tokens, runner.max_rows, runner.context_len, runner.num_pages,
@@ -52,11 +53,15 @@ def warm_up(runner: Any, tokens: int) -> None:
     runner.token_pool[:rows, :per].random_(0, runner.model_config.vocab_size,
                                            generator=torch.Generator().manual_seed(0))
     try:
-        runner.forward(Batch(rows=list(range(rows)), starts=[0] * rows, ends=[per] * rows,
-                             params=[SamplingParams(temperature=0.0)] * rows,
-                             steps=[0] * rows))
+        with runner.model.first_layers(1):
+            runner.forward(Batch(rows=list(range(rows)), starts=[0] * rows,
+                                 ends=[per] * rows,
+                                 params=[SamplingParams(temperature=0.0)] * rows,
+                                 steps=[0] * rows))
     finally:
         runner.page_table[:rows].zero_()
         runner.token_pool[:rows].zero_()
-    logger.info("warmed up with a forward of %d prompt tokens in %.1f s", rows * per,
-                time.perf_counter() - start)
+    runner.pool.k[:, :rows * span].zero_()
+    runner.pool.v[:, :rows * span].zero_()
+    logger.info("warmed up with a forward of %d prompt tokens through one layer in %.1f s",
+                rows * per, time.perf_counter() - start)

@@ -3,7 +3,8 @@ around them. A family is a ``DecoderModel`` subclass with its ``LayerSpec``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import ClassVar, cast
 
 import torch
@@ -222,6 +223,18 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         logits = self.tp.gather_vocab(self.lm_head(hidden), self.config.vocab_size)
         return logits.float() if upcast else logits
+
+    @contextlib.contextmanager
+    def first_layers(self, count: int) -> Iterator[None]:
+        """Within the block, the model's forwards run through its first ``count`` layers
+        only (the embedding, the final norm and the head as always): the start-up warm-up's
+        forward, whose every layer would touch the same activation sizes."""
+        layers = self.layers
+        self.layers = nn.ModuleList(list(layers)[:count])
+        try:
+            yield
+        finally:
+            self.layers = layers
 
     def warm_up_args(self) -> WarmUpArgs:
         layer = self.layers[0]
