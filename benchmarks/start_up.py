@@ -5,7 +5,9 @@ for one or two checkouts of asyncinfer.
 Each run is a fresh process importing one checkout's ``src``: it times ``LLM()`` on the
 embedded model, then ``--prefills`` bursts of 16 new prompts of 256 tokens, one output
 token each (new prompts, so the prefix cache holds none of them), each with its minor page
-faults. The sides alternate their order run by run.
+faults, under the heap settings the command line gives the processes that compute
+(``threads.MALLOC_TUNABLES``, which keep the heap a warm-up grows). The sides alternate
+their order run by run.
 
     python -m benchmarks.start_up --side base:../base:on --side new:.:on --side off:.:off \\
         --runs 2 --json docs/benchmarks/cpu-start-up.json
@@ -20,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from asyncinfer.threads import MALLOC_TUNABLES
 from benchmarks.util import machine, run_fresh, write_report
 
 RUN = r"""
@@ -70,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in order if i % 2 == 0 else order[::-1]:
             checkout, warm = sides[name]
             run = run_fresh(RUN, [warm, str(args.prefills)],
-                            {"PYTHONPATH": str(checkout / "src")}, checkout)
+                            {"PYTHONPATH": str(checkout / "src"),
+                             "GLIBC_TUNABLES": MALLOC_TUNABLES}, checkout)
             runs[name].append(run)
             print(f"{name}: start {run['start_s']:.2f} s, bursts "
                   + ", ".join(f"{b['wall_s']:.3f} s ({b['faults']} faults)"
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                                                        *(argv or sys.argv[1:])]),
         "sides": {name: {"checkout": str(checkout), "commit": _commit(checkout),
                          "warm_up": warm} for name, (checkout, warm) in sides.items()},
-        "machine": machine(),
+        "machine": machine(), "tunables": MALLOC_TUNABLES,
         "workload": "LLM() on the embedded model, then bursts of 16 new prompts of 256 "
                     "tokens, 1 output token each",
         "summary": summary, "runs": runs})
