@@ -1,7 +1,8 @@
 """The bf16 matrix products of a decoder layer on a CPU: our AVX-512 kernel as float32 FMAs
 over widened weights and as AVX512-BF16 dot products (where the CPU has them), beside
 oneDNN's packed bf16 kernel, torch's bf16 ``linear`` and its float32 one, at torch's thread
-count. A call runs the four products of ``--layers`` layers, each with its own weights, so
+count; on an AVX2 CPU our AVX2 kernel beside torch's float32 product over a float32 copy.
+A call runs the four products of ``--layers`` layers, each with its own weights, so
 that, as in a forward, the weights come from memory rather than from a cache the previous
 call filled. Each figure is the median of ``--reps`` calls, the sides' order alternated call by
 call; the record keeps every call and each side's largest difference from the float32
@@ -48,7 +49,8 @@ def run(rows: int, reps: int, kernels: native.NativeKernels, depth: int) -> dict
         weight = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
         x = torch.randn(rows, k, generator=gen).bfloat16()
         layers.append((name, n, x, weight, kernels.pack(weight),
-                       torch.ops.mkldnn._reorder_linear_weight(weight, rows), weight.float()))
+                       torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+                       if kernels.products is not None else None, weight.float()))
     sides: dict[str, Callable[[], Any]] = {}
 
     def each(product: Callable[..., torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
@@ -57,10 +59,12 @@ def run(rows: int, reps: int, kernels: native.NativeKernels, depth: int) -> dict
     sides["ours_fma"] = each(lambda _, n, x, w, p, d, f: _ours(kernels, False, x, p, n))
     if kernels.dot_built:
         sides["ours_dot"] = each(lambda _, n, x, w, p, d, f: _ours(kernels, True, x, p, n))
-    sides["onednn_bf16"] = each(
-        lambda _, n, x, w, p, d, f: torch.ops.mkldnn._linear_pointwise(x, d, None, "none", [], ""))
-    sides["torch_bf16"] = each(lambda _, n, x, w, p, d, f: F.linear(x, w))
-    sides["torch_fp32"] = each(lambda _, n, x, w, p, d, f: F.linear(x.float(), f))
+    if kernels.products is not None:  # an AVX2 CPU emulates bf16: only float32 beside ours
+        sides["onednn_bf16"] = each(lambda _, n, x, w, p, d, f:
+                                    torch.ops.mkldnn._linear_pointwise(x, d, None, "none", [], ""))
+        sides["torch_bf16"] = each(lambda _, n, x, w, p, d, f: F.linear(x, w))
+    # The float32 product as the model runs it where it multiplies over a float32 shadow.
+    sides["torch_fp32"] = each(lambda _, n, x, w, p, d, f: F.linear(x.float(), f).to(x.dtype))
     dot = kernels.dot
     try:
         want = [F.linear(x.float(), f) for _, _, x, _, _, _, f in layers]
@@ -90,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     kernels = native.load()
-    if kernels is None or kernels.products != "avx512":
-        print("our AVX-512 product does not run here (no AVX-512, or AMX takes over)",
+    if kernels is None or kernels.products not in ("avx512", None) \
+            or kernels.fixed_products is None:
+        print("our FMA product does not run here (no AVX2 and FMA, or AMX takes over)",
               file=sys.stderr)
         return 1
     results = [run(r, args.reps, kernels, args.layers) for r in args.rows]

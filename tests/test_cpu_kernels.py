@@ -540,7 +540,8 @@ def test_the_dot_product_form_agrees_with_the_fma_form_and_not_with_the_batch() 
 def test_the_engine_multiplies_on_our_kernels_where_the_cpu_has_them(smollm2_dir) -> None:
     """Every decode-sized product of a bf16 engine goes through our product kernel where
     one builds (the tied head included); elsewhere through oneDNN's packed weights, or
-    torch's where the CPU has no native bf16. The AVX-512 kernel takes every size."""
+    torch's where the CPU has no native bf16. The AVX-512 kernel takes every size; so
+    does the AVX2 one, which does a CPU without bf16 units' float32 products."""
     from asyncinfer.config import EngineConfig
     from asyncinfer.engine.runner import ModelRunner
     from asyncinfer.layers.linear import Linear, can_pack
@@ -548,24 +549,29 @@ def test_the_engine_multiplies_on_our_kernels_where_the_cpu_has_them(smollm2_dir
     runner = ModelRunner(EngineConfig(dtype="bfloat16", max_running_requests=4,
                                       max_seq_len=128, num_pages=64), smollm2_dir)
     kernels = native.load()
-    ours = kernels is not None and kernels.products is not None
+    avx2 = (runner.config.fp32_kernels and kernels is not None
+            and kernels.fixed_products == "avx2")
+    ours = kernels is not None and (kernels.products is not None or avx2)
+    packs = can_pack(torch.bfloat16) or avx2
+    every_size = ours and (avx2 or kernels.products == "avx512")
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert linears
     for module in linears:
         packed = module.packed
-        assert (packed is not None) == can_pack(torch.bfloat16)
+        assert (packed is not None) == packs
         if packed is not None:
             assert (packed.kernels is not None) == ours
-            wide = ours and kernels.products == "avx512"
-            assert (module.packed_rows is None) == (module.weight.numel() == 0 or wide)
+            assert (module.packed_rows is None) == (module.weight.numel() == 0 or every_size)
+        if avx2:  # no float32 copy beside the packed bf16 one
+            assert module.shadow is None and module.weight.numel() == 0
     head = runner.model.lm_head.packed  # SmolLM2 ties its head to the embedding
-    assert (head is not None) == can_pack(torch.bfloat16)
+    assert (head is not None) == packs
     if head is not None:
         assert (head.kernels is not None) == ours
     if ours:  # our kernels' copies share one slab of huge pages
         bases = {m.packed.data.untyped_storage().data_ptr() for m in linears if m.packed}
         assert len(bases) == 1
-    if ours and kernels.products == "avx512":  # the head too, at any number of rows
+    if every_size:  # the head too, at any number of rows
         from asyncinfer.layers.linear import PACKED_ROWS
 
         hidden = torch.randn(PACKED_ROWS + 8, 576).bfloat16()
@@ -581,6 +587,41 @@ def test_the_engine_multiplies_on_our_kernels_where_the_cpu_has_them(smollm2_dir
         # float32 sums rounded once to bf16: within a rounding step of the float32 product.
         want = F.linear(hidden.float(), runner.model.embed_tokens.weight.float())
         assert ((logits - want).abs() <= want.abs() * 2**-8 + 1e-3).all()
+
+
+@pytest.mark.skipif(not _cpu_has("avx2") or not _cpu_has("fma"), reason="needs AVX2 and FMA")
+def test_float32_products_take_the_avx2_kernel_where_it_takes_the_weight() -> None:
+    """use_fp32_products with the AVX2 build: a weight of whole tiles is packed for it
+    (its plain copy freed, no float32 shadow), any other gets a float32 shadow; both give
+    the float32 product rounded once to bf16, at any number of rows."""
+    from asyncinfer.layers.linear import Linear
+    from asyncinfer.layers.packing import use_fp32_products
+
+    kernels = _build("x86-64-v3")
+    assert kernels.products is None and kernels.fixed_products == "avx2"
+    gen = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(Linear(64, 48, bias=True), Linear(40, 48))
+    with torch.no_grad():
+        for module in model:
+            module.weight.copy_(torch.randn(module.weight.shape, generator=gen))
+            if module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=gen))
+    model.bfloat16()
+    plain = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone())
+             for m in model]
+    use_fp32_products(model, kernels)
+    tiled, odd = model
+    assert tiled.packed is not None and tiled.packed.kernels is kernels
+    assert tiled.packed.takes_all_rows and tiled.shadow is None and tiled.weight.numel() == 0
+    assert odd.packed is None and odd.shadow is not None
+    for rows in (1, 5, 17, 600):
+        for module, (weight, bias) in zip(model, plain, strict=True):
+            x = torch.randn(rows, weight.shape[1], generator=gen).bfloat16()
+            want = F.linear(x.float(), weight.float(),
+                            None if bias is None else bias.float())
+            got = module(x)
+            assert got.dtype == torch.bfloat16
+            assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3).all()
 
 
 # ---- prefill attention on AMX tiles against torch's SDPA ----

@@ -57,9 +57,15 @@ def test_dummy_weights_have_real_shapes_and_give_finite_logits(tiny_llama_dir: P
     assert tuple(ours["embed_tokens.weight"].shape) == hf_shapes["model.embed_tokens.weight"]
     q, k, v = (hf_shapes[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
     qkv = runner.model.get_submodule("layers.0.self_attn.qkv_proj")
-    # On a CPU without bf16 units a float32 shadow has taken the bf16 weight's place.
-    weight = qkv.shadow[0] if runner.config.fp32_kernels else qkv.weight
-    assert tuple(weight.shape) == (q[0] + k[0] + v[0], q[1])
+    # On a CPU without bf16 units a float32 shadow, or a copy packed for our AVX2 kernel,
+    # has taken the bf16 weight's place.
+    if qkv.shadow is not None:
+        shape = tuple(qkv.shadow[0].shape)
+    elif qkv.weight.numel() == 0:
+        shape = (qkv.packed.out_features, qkv.packed.data.numel() // qkv.packed.out_features)
+    else:
+        shape = tuple(qkv.weight.shape)
+    assert shape == (q[0] + k[0] + v[0], q[1])
     [out] = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     assert len(out.token_ids) == 16
 

@@ -38,7 +38,7 @@ from asyncinfer.layers.linear import can_pack
 from asyncinfer.layers.packing import (
     pack_for_cpu,
     packs_every_weight,
-    use_fp32_shadows,
+    use_fp32_products,
     use_product,
     weight_bytes,
 )
@@ -244,7 +244,7 @@ class ModelRunner:
         if self.batch_invariant and triton_invariant_path(self.device):
             use_product(module, triton_invariant.linear)
         elif self.config.fp32_kernels and not self.batch_invariant:
-            use_fp32_shadows(module)
+            use_fp32_products(module, kernels)
         elif self.device.type == "cpu" and (can_pack(self.dtype) or self.batch_invariant):
             # The mode multiplies through our kernels, the AVX2 one included (the
             # arithmetic of the float32 shadows: bf16 in, float32 sums, rounded once).

@@ -131,7 +131,7 @@ class PackedWeight:
     data: torch.Tensor
     out_features: int
     kernels: NativeKernels | None = None
-    every_size: bool = False   # batch-invariant: one kernel, so one order of sums, at any size
+    every_size: bool = False   # every size here: batch-invariant, or AVX2's float32 products
 
     @property
     def takes_all_rows(self) -> bool:

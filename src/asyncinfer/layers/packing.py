@@ -17,11 +17,24 @@ if TYPE_CHECKING:
     from asyncinfer.kernels.cpu import NativeKernels
 
 
-def use_fp32_shadows(model: nn.Module) -> None:
-    """Run every matrix product of ``model`` in float32 over a copy of its weights."""
-    for module in model.modules():
-        if isinstance(module, Linear | TiedHead | Experts):
+def use_fp32_products(model: nn.Module, kernels: NativeKernels | None) -> None:
+    """Run every matrix product of ``model`` in float32: on an AVX2 CPU through our kernel
+    (bf16 weights packed once, widened in registers, float32 FMAs, one rounding: a float32
+    shadow's arithmetic, without its copy in float32 or torch's per-call packing of it),
+    where it takes the weight; over a float32 shadow elsewhere, and for experts."""
+    ours = kernels if kernels is not None and kernels.fixed_products == "avx2" else None
+    modules = [m for m in model.modules() if isinstance(m, Linear | TiedHead | Experts)]
+    packed = [m for m in modules if not isinstance(m, Experts)
+              and ours is not None and ours.packs(m.weight)]
+    slab = Slab([(m.weight.numel(), torch.bfloat16) for m in packed]) if packed else None
+    ids = {id(m) for m in packed}
+    for module in modules:
+        if id(module) not in ids:
             module.use_fp32_shadow()
+        elif isinstance(module, Linear):
+            module.pack_for_cpu(0, keep_plain=False, kernels=ours, slab=slab, every_size=True)
+        elif isinstance(module, TiedHead):  # the embedding keeps the plain weight
+            module.packed = pack_weight(module.weight, 0, ours, slab, every_size=True)
 
 
 def use_product(model: nn.Module, product: Product) -> None:
@@ -33,9 +46,13 @@ def use_product(model: nn.Module, product: Product) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """The bytes of ``model``'s parameters and float32 shadows (packed copies not counted)."""
+    """The bytes of ``model``'s parameters and float32 shadows (packed copies counted only
+    where they replace the plain weight)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
+        if isinstance(module, Linear) and module.packed is not None \
+                and module.weight.numel() == 0:
+            total += module.packed.data.nbytes
         shadow = getattr(module, "shadow", None)
         if isinstance(module, Linear) and shadow is not None:
             total += sum(t.nbytes for t in shadow if t is not None)
