@@ -33,7 +33,7 @@
 #include <string.h>
 
 #include "cpu_common.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -359,10 +359,150 @@ FUSED(fused_bf16, uint16_t, widen_bf16)
     }
 #define TASK_F32 fused_f32
 #define TASK_BF16 fused_bf16
+#define MULTI_F32 multi_f32
+#define MULTI_BF16 multi_bf16
+#elif defined(__AVX2__) && defined(__FMA__)
+/* BLOCKED's task for AVX2 builds, in 8-float registers. GCC lowers BLOCKED's 16-float
+ * vectors on AVX2 to pairs of registers copied through the stack (each key's row widened
+ * into memory, each partial sum stored in 128-bit halves): about nine times the FMAs' time
+ * per key. Here a 16-float vector of BLOCKED is two registers, "lo" (its lanes 0-7) and
+ * "hi" (8-15). Each key is read once, a chunk of its row at a time, and serves every head
+ * of the group (up to four at once: their sums are eight registers); the sixteen lanes of
+ * a key's score vector fold as sum16 folds them (lane i + i + 8, then i + i + 4, i + 2,
+ * i + 1 within eight lanes), eight keys at a time, by AVX2's own shuffles. The values are
+ * added key by key into each head's sums, held in registers (a key past len is not added:
+ * BLOCKED adds +0). The results agree with BLOCKED's to rounding, not bit for bit (GCC's
+ * contraction of BLOCKED's lowered vectors into FMAs is its own), so on AVX2 a run of a
+ * chunk's queries (MULTI's work) is computed query by query by this task: each query's
+ * bits are what it gets alone. */
+#define AV_HEADS 4
+
+INLINE __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+INLINE __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16));
+}
+
+/* The eight scores of keys t[0..7] (each the lane-wise sum of a key's lo and hi halves),
+ * folded as sum16 folds its lanes 0-7, into out[0..7]. */
+INLINE void fold8(const __m256 *t, float *out) {
+    __m256 u[4], w[2];
+    for (int i = 0; i < 4; i++)  /* lanes i + i + 4: [key 2i | key 2i + 1] */
+        u[i] = _mm256_add_ps(_mm256_permute2f128_ps(t[2 * i], t[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(t[2 * i], t[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)  /* lanes i + i + 2 */
+        w[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0xee));
+    const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x88),  /* i + i + 1 */
+                                   _mm256_shuffle_ps(w[0], w[1], 0xdd));
+    /* z holds keys 0 2 4 6 | 1 3 5 7 */
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3,
+                                                                         7)));
+}
+
+#define AVX2_TASK(NAME, KV_T, LOAD8)                                                         \
+    INLINE void NAME(const vf *qv, const KV_T *k, const KV_T *v, const int64_t *slots,       \
+                     int64_t len, int64_t stride, int64_t group, const int64_t nc,           \
+                     float *scores, vf *part_v, vf *acc_v, float *out) {                     \
+        (void)acc_v;                                                                         \
+        const float *q = (const float *)qv;                                                  \
+        __m256 *part = (__m256 *)part_v; /* [AV_HEADS][BLOCK] */                             \
+        const int64_t dim = nc * 16, padded = (len + BLOCK - 1) / BLOCK * BLOCK;             \
+        const int64_t row_bytes = stride * (int64_t)sizeof(KV_T);                           \
+        const int64_t head_bytes = dim * (int64_t)sizeof(KV_T);                              \
+        for (int64_t h0 = 0; h0 < group; h0 += AV_HEADS) {                                   \
+            const int64_t heads = group - h0 < AV_HEADS ? group - h0 : AV_HEADS;             \
+            fetch_rows(k, slots, len, row_bytes, head_bytes);                                \
+            fetch_rows(k, slots + BLOCK, len - BLOCK, row_bytes, head_bytes);                \
+            for (int64_t j0 = 0; j0 < len; j0 += BLOCK) {                                    \
+                const int64_t n = len - j0 < BLOCK ? len - j0 : BLOCK;                       \
+                fetch_rows(k, slots + j0 + AHEAD, len - j0 - AHEAD, row_bytes, head_bytes);  \
+                for (int64_t j = 0; j < n; j++) {                                            \
+                    const KV_T *src = k + slots[j0 + j] * stride;                            \
+                    __m256 lo[AV_HEADS], hi[AV_HEADS];                                       \
+                    const __m256 r0 = LOAD8(src), r1 = LOAD8(src + 8);                       \
+                    for (int64_t h = 0; h < heads; h++) {                                    \
+                        const float *qh = q + (h0 + h) * dim;                                \
+                        lo[h] = _mm256_mul_ps(_mm256_loadu_ps(qh), r0);                      \
+                        hi[h] = _mm256_mul_ps(_mm256_loadu_ps(qh + 8), r1);                  \
+                    }                                                                        \
+                    for (int64_t c = 1; c < nc; c++) {                                       \
+                        const __m256 a = LOAD8(src + 16 * c), b = LOAD8(src + 16 * c + 8);   \
+                        for (int64_t h = 0; h < heads; h++) {                                \
+                            const float *qh = q + (h0 + h) * dim + 16 * c;                   \
+                            lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), a, lo[h]);          \
+                            hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), b, hi[h]);      \
+                        }                                                                    \
+                    }                                                                        \
+                    for (int64_t h = 0; h < heads; h++)                                      \
+                        part[h * BLOCK + j] = _mm256_add_ps(lo[h], hi[h]);                   \
+                }                                                                            \
+                for (int64_t h = 0; h < heads; h++) {                                        \
+                    for (int64_t j = n; j < BLOCK; j++)                                      \
+                        part[h * BLOCK + j] = _mm256_setzero_ps();                           \
+                    float *sh = scores + (h0 + h) * padded + j0;                             \
+                    fold8(part + h * BLOCK, sh);                                             \
+                    fold8(part + h * BLOCK + 8, sh + 8);                                     \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t h = 0; h < group; h++) softmax_rows(scores + h * padded, 1, len);       \
+        for (int64_t h = 0; h < group; h++) {                                                \
+            const float *p = scores + h * padded;                                            \
+            for (int64_t c0 = 0; c0 < nc; c0 += 4) { /* 4 chunks of 16: eight sums */       \
+                const int64_t cs = nc - c0 < 4 ? nc - c0 : 4;                                \
+                __m256 a[8];                                                                 \
+                for (int64_t i = 0; i < 2 * cs; i++) a[i] = _mm256_setzero_ps();             \
+                if (h == 0 && c0 == 0) {                                                     \
+                    fetch_rows(v, slots, len, row_bytes, head_bytes);                        \
+                    fetch_rows(v, slots + BLOCK, len - BLOCK, row_bytes, head_bytes);        \
+                }                                                                            \
+                for (int64_t j = 0; j < len; j++) {                                          \
+                    if (h == 0 && c0 == 0 && j % BLOCK == 0)                                 \
+                        fetch_rows(v, slots + j + AHEAD, len - j - AHEAD, row_bytes,         \
+                                   head_bytes);                                              \
+                    const KV_T *src = v + slots[j] * stride + 16 * c0;                       \
+                    const __m256 pj = _mm256_set1_ps(p[j]);                                  \
+                    for (int64_t i = 0; i < 2 * cs; i++)                                     \
+                        a[i] = _mm256_fmadd_ps(pj, LOAD8(src + 8 * i), a[i]);                \
+                }                                                                            \
+                for (int64_t i = 0; i < 2 * cs; i++)                                         \
+                    _mm256_storeu_ps(out + h * dim + 16 * c0 + 8 * i, a[i]);                 \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+AVX2_TASK(avx2_task_f32, float, load8_f32)
+AVX2_TASK(avx2_task_bf16, uint16_t, load8_bf16)
+
+/* MULTI's work, m consecutive queries of one request, on AVX2: each query a task of its own
+ * (query i attends slots[0 .. len0 + i]). */
+#define AVX2_MULTI(NAME, KV_T, TASK_FN)                                                      \
+    INLINE void NAME(const vf *q, int64_t m, const KV_T *k, const KV_T *v,                   \
+                     const int64_t *slots, int64_t len0, int64_t stride, int64_t group,      \
+                     const int64_t nc, int64_t padded, float *scores, vf *rows, vf *zeros,   \
+                     vf *acc, float *out) {                                                  \
+        (void)padded, (void)zeros;                                                           \
+        for (int64_t i = 0; i < m; i++)                                                      \
+            TASK_FN(q + i * group * nc, k, v, slots, len0 + i + 1, stride, group, nc, scores,  \
+                    rows, acc, out + i * group * nc * 16);                                   \
+    }
+
+AVX2_MULTI(avx2_multi_f32, float, avx2_task_f32)
+AVX2_MULTI(avx2_multi_bf16, uint16_t, avx2_task_bf16)
+#define MULTI_F32 avx2_multi_f32
+#define MULTI_BF16 avx2_multi_bf16
+
+#define SIZES(FN, NC) FN(q, k, v, slots, len, stride, group, NC, scores, part, acc, out);
+#define TASK_F32 avx2_task_f32
+#define TASK_BF16 avx2_task_bf16
 #else
 #define SIZES(FN, NC) FN(q, k, v, slots, len, stride, group, NC, scores, part, acc, out);
 #define TASK_F32 blocked_f32
 #define TASK_BF16 blocked_bf16
+#define MULTI_F32 multi_f32
+#define MULTI_BF16 multi_bf16
 #endif
 
 #define BLOCKED_ANY(NAME, KV_T, FN)                                                          \
@@ -615,5 +755,5 @@ static int64_t find_runs(const int64_t *rows, const int64_t *lens, int64_t batch
         free(first);                                                                         \
     }
 
-DECODE(decode_attention_f32, float, task_f32, blocked_any_f32, multi_f32)
-DECODE(decode_attention_bf16, uint16_t, task_bf16, blocked_any_bf16, multi_bf16)
+DECODE(decode_attention_f32, float, task_f32, blocked_any_f32, MULTI_F32)
+DECODE(decode_attention_bf16, uint16_t, task_bf16, blocked_any_bf16, MULTI_BF16)
