@@ -69,15 +69,15 @@ def products(sides: dict[str, native.NativeKernels], rows: int
                             zip(shapes, packed[id(kernels)], strict=True)]
 
 
-def attention(batch: int, context: int, prefill: bool
+def attention(batch: int, context: int, prefill: bool, dtype: torch.dtype = torch.bfloat16
               ) -> Callable[[native.NativeKernels], list[torch.Tensor]]:
     """Decode (one query per request at ``context``) or prefill (every position a query)."""
     gen = torch.Generator().manual_seed(context)
     width = (context + PAGE) // PAGE * PAGE
     pages = torch.randperm(batch * width // PAGE, generator=gen).view(batch, -1)
     table = (pages[:, :, None] * PAGE + torch.arange(PAGE)).view(batch, -1).contiguous()
-    pools = [(torch.randn(batch * width, KV_HEADS, DIM, generator=gen).bfloat16(),
-              torch.randn(batch * width, KV_HEADS, DIM, generator=gen).bfloat16())
+    pools = [(torch.randn(batch * width, KV_HEADS, DIM, generator=gen).to(dtype),
+              torch.randn(batch * width, KV_HEADS, DIM, generator=gen).to(dtype))
              for _ in range(1 if prefill else LAYERS)]
     if prefill:
         rows = torch.arange(batch).repeat_interleave(context)
@@ -111,17 +111,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vs", required=True, help="the commit whose kernels to run beside")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rows", type=int, default=16, help="the decode step's batch")
+    parser.add_argument("--kv-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the pool's (float32: a CPU without bf16 units' engine)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    kv_dtype = getattr(torch, args.kv_dtype)
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"this": build(sources_at(None), Path(tmp), "this"),
                  args.vs: build(sources_at(args.vs), Path(tmp), "base")}
-        if sides["this"].products is None:
+        if sides["this"].fixed_products is None:
             print("no native matrix products on this CPU", file=sys.stderr)
             return 1
         work = {"decode products": products(sides, args.rows),
-                "decode attention": attention(args.rows, 288, prefill=False),
-                "prefill attention": attention(args.rows, 256, prefill=True)}
+                "decode attention": attention(args.rows, 288, False, kv_dtype),
+                "prefill attention": attention(args.rows, 256, True, kv_dtype)}
         results = {name: compare(sides, fn, args.reps) for name, fn in work.items()}
     for name, result in results.items():
         print(f"{name}: " + ", ".join(f"{side} {ms:.2f} ms" for side, ms in
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                              capture_output=True, text=True).stdout.strip(),
         "date": time.strftime("%Y-%m-%d"), "machine": machine(),
         "threads": torch.get_num_threads(), "rows": args.rows, "layers": LAYERS,
+        "kv_dtype": args.kv_dtype,
         "products": sides["this"].products, "dot": sides["this"].dot, "results": results})
     return 0
 
