@@ -1,14 +1,14 @@
 """What this CPU can do at most, the floor the CPU figures are read against: the rate of the
 multiply-adds the products issue (AVX512-BF16 ``vdpbf16ps``, where the CPU has it, and
-float32 FMAs), and the rate at which the cores read memory, each on one thread and on
-every core (``python -m benchmarks.cpu_peak``).
+float32 FMAs, on AVX-512 registers or AVX2's), and the rate at which the cores read memory,
+each on one thread and on every core (``python -m benchmarks.cpu_peak``).
 
     python -m benchmarks.cpu_peak --json docs/benchmarks/cpu-peak-zen4.json
 
 A small C program is compiled here with ``-march=native``: twelve independent chains of
 the instruction over registers (more than its latency times its issue rate, so the units
 stay full; the chains start apart, so the compiler cannot fold them into one), and a read
-of a 512 MiB buffer in 64-byte vector loads. Each figure is the best of ``--reps``
+of a 512 MiB buffer in vector loads. Each figure is the best of ``--reps``
 timings; the record keeps them all.
 """
 
@@ -34,14 +34,39 @@ PROGRAM = r"""
 #define CHAINS(OP) \
     OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7) OP(8) OP(9) OP(10) OP(11)
 
+/* The widest vectors this CPU has: AVX-512's 16 floats, or AVX2's 8. */
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec;
+#define SET1 _mm512_set1_ps
+#define FMADD _mm512_fmadd_ps
+#define ADD _mm512_add_ps
+#define LOAD _mm512_load_ps
+#define ZERO _mm512_setzero_ps
+static float reduce(vec v) { return _mm512_reduce_add_ps(v); }
+#else
+#define LANES 8
+typedef __m256 vec;
+#define SET1 _mm256_set1_ps
+#define FMADD _mm256_fmadd_ps
+#define ADD _mm256_add_ps
+#define LOAD _mm256_load_ps
+#define ZERO _mm256_setzero_ps
+static float reduce(vec v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+}
+#endif
+
 static double flops(int dot, long iters) {
     double sink = 0;
     double start = omp_get_wtime();
 #pragma omp parallel reduction(+ : sink)
     {
-#define INIT(i) __m512 a##i = _mm512_set1_ps((float)(i));
+#define INIT(i) vec a##i = SET1((float)(i));
         CHAINS(INIT)
-        const __m512 xf = _mm512_set1_ps(1.0001f), yf = _mm512_set1_ps(0.9999f);
+        const vec xf = SET1(1.0001f), yf = SET1(0.9999f);
 #if defined(__AVX512BF16__)
         const __m512bh xb = (__m512bh)_mm512_set1_epi32(0x3f803f80);
 #endif
@@ -52,17 +77,17 @@ static double flops(int dot, long iters) {
                 CHAINS(DOT)
 #endif
             } else {
-#define FMA(i) a##i = _mm512_fmadd_ps(xf, a##i, yf);
+#define FMA(i) a##i = FMADD(xf, a##i, yf);
                 CHAINS(FMA)
             }
         }
-#define SUM(i) sink += _mm512_reduce_add_ps(a##i);
+#define SUM(i) sink += reduce(a##i);
         CHAINS(SUM)
     }
     double seconds = omp_get_wtime() - start;
     if (sink == 1.0) puts("");  /* keeps the chains */
-    /* Per instruction: 16 lanes, one multiply-add (2 flops) or two (4 flops) a lane. */
-    return (double)iters * 12 * 16 * (dot ? 4 : 2) * omp_get_max_threads() / seconds / 1e9;
+    /* Per instruction: LANES lanes, one multiply-add (2 flops) or two (4 flops) a lane. */
+    return (double)iters * 12 * LANES * (dot ? 4 : 2) * omp_get_max_threads() / seconds / 1e9;
 }
 
 static double bandwidth(const char *buffer, size_t bytes) {
@@ -70,15 +95,16 @@ static double bandwidth(const char *buffer, size_t bytes) {
     double start = omp_get_wtime();
 #pragma omp parallel reduction(+ : sink)
     {
-        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        vec s0 = ZERO(), s1 = s0, s2 = s0, s3 = s0;
+        const size_t step = LANES * 4;  /* bytes of a vector */
 #pragma omp for schedule(static)
-        for (size_t i = 0; i < bytes; i += 256) {
-            s0 = _mm512_add_ps(s0, _mm512_load_ps((const float *)(buffer + i)));
-            s1 = _mm512_add_ps(s1, _mm512_load_ps((const float *)(buffer + i + 64)));
-            s2 = _mm512_add_ps(s2, _mm512_load_ps((const float *)(buffer + i + 128)));
-            s3 = _mm512_add_ps(s3, _mm512_load_ps((const float *)(buffer + i + 192)));
+        for (size_t i = 0; i < bytes; i += 4 * step) {
+            s0 = ADD(s0, LOAD((const float *)(buffer + i)));
+            s1 = ADD(s1, LOAD((const float *)(buffer + i + step)));
+            s2 = ADD(s2, LOAD((const float *)(buffer + i + 2 * step)));
+            s3 = ADD(s3, LOAD((const float *)(buffer + i + 3 * step)));
         }
-        sink += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+        sink += reduce(ADD(ADD(s0, s1), ADD(s2, s3)));
     }
     double seconds = omp_get_wtime() - start;
     if (sink == 1.0f) puts("");
