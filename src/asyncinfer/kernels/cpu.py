@@ -133,7 +133,7 @@ class NativeKernels:
         self.fixed_products: str | None = self.products or ("avx2" if built == 2 else None)
         """Which of our kernels the batch-invariant mode multiplies with: ``products``, or on
         an AVX2 CPU with FMA "avx2" (the AVX-512 kernel's arithmetic on 8-float vectors,
-        slower there than oneDNN's, so only for the mode)."""
+        which also does that CPU's float32 products: ``use_fp32_products``)."""
         self._prefill = self._bind("prefill_attention_bf16", _PREFILL_ARGS)
         built = self._lib.prefill_attention_built
         built.argtypes, built.restype = [], _INT

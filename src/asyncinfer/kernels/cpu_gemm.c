@@ -288,11 +288,13 @@ int wide_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-/* The same product on AVX2 with FMA, for the batch-invariant mode only (elsewhere oneDNN's
- * products are faster here): a block of 16 columns is two 8-float vectors, and a step
- * multiplies up to AV_ROWS rows of x by one block (eight vectors of sums, four of weights,
- * x's two: fourteen of the sixteen registers). Each output is summed along k in the same
- * order, pair by pair, whatever the number of rows: the property the mode needs. */
+/* The same product on AVX2 with FMA, for an AVX2 CPU's float32 products and the
+ * batch-invariant mode (torch's float32 GEMM copies the weight on every call, which at
+ * decode sizes costs more than the product): a block of 16 columns is two 8-float
+ * vectors, and a step multiplies up to AV_ROWS rows of x by one block (eight vectors of
+ * sums, four of weights, x's two: fourteen of the sixteen registers). Each output is
+ * summed along k in the same order, pair by pair, whatever the number of rows: the
+ * property the mode needs. */
 #define AV_ROWS 4
 #define AV_CHUNK 96
 
