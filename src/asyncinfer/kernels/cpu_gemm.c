@@ -291,11 +291,12 @@ int wide_linear_bf16(const bf16 *x, int64_t xs, const bf16 *packed, const bf16 *
 /* The same product on AVX2 with FMA, for an AVX2 CPU's float32 products and the
  * batch-invariant mode (torch's float32 GEMM copies the weight on every call, which at
  * decode sizes costs more than the product): a block of 16 columns is two 8-float
- * vectors, and a step multiplies up to AV_ROWS rows of x by one block (eight vectors of
- * sums, four of weights, x's two: fourteen of the sixteen registers). Each output is
- * summed along k in the same order, pair by pair, whatever the number of rows: the
- * property the mode needs. */
-#define AV_ROWS 4
+ * vectors, and a step multiplies up to AV_ROWS rows of x by one block (twelve vectors of
+ * sums, two of weights, x's one and the mask: the sixteen registers; six rows rather than
+ * four give each widened weight half as many multiply-adds again, about 7% faster on a
+ * Zen 1 EPYC at 16 and at 4,096 rows). Each output is summed along k in the same order, pair by pair,
+ * whatever the number of rows: the property the mode needs. */
+#define AV_ROWS 6
 #define AV_CHUNK 96
 
 int wide_linear_built(void) { return 2; }
@@ -317,21 +318,29 @@ INLINE void avx2_kernel(const int rows, const float *x, const bf16 *w, int64_t k
                         const bf16 *bias, bf16 *y, int64_t ys) {
     __m256 acc[AV_ROWS][2];
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t p = 0; p < k / 2; p++) {
-        __m256 even[2], odd[2];
-        for (int h = 0; h < 2; h++) {
-            const __m256i v = _mm256_loadu_si256((const void *)(w + 32 * p + 16 * h));
-            even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-            odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        }
-#pragma GCC unroll 4
+        const __m256i *wp = (const __m256i *)(w + 32 * p);
+        /* The even k of the pair, then the odd: each x value broadcast once for both
+         * halves of the block, the weights widened from memory as they are needed. */
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp), 16));
+        const __m256 e1 = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_loadu_si256(wp + 1), 16));
+#pragma GCC unroll 6
         for (int i = 0; i < rows; i++) {
             const __m256 x0 = _mm256_set1_ps(x[i * k + 2 * p]);
+            acc[i][0] = _mm256_fmadd_ps(x0, e0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(x0, e1, acc[i][1]);
+        }
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp), high));
+        const __m256 o1 = _mm256_castsi256_ps(
+            _mm256_and_si256(_mm256_loadu_si256(wp + 1), high));
+#pragma GCC unroll 6
+        for (int i = 0; i < rows; i++) {
             const __m256 x1 = _mm256_set1_ps(x[i * k + 2 * p + 1]);
-            for (int h = 0; h < 2; h++)
-                acc[i][h] = _mm256_fmadd_ps(x1, odd[h], _mm256_fmadd_ps(x0, even[h], acc[i][h]));
+            acc[i][0] = _mm256_fmadd_ps(x1, o0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(x1, o1, acc[i][1]);
         }
     }
     for (int h = 0; h < 2; h++) {
@@ -352,6 +361,8 @@ static void avx2_step(int rows, const float *x, const bf16 *w, int64_t k, const 
     case 2: avx2_kernel(2, x, w, k, bias, y, ys); break;
     case 3: avx2_kernel(3, x, w, k, bias, y, ys); break;
     case 4: avx2_kernel(4, x, w, k, bias, y, ys); break;
+    case 5: avx2_kernel(5, x, w, k, bias, y, ys); break;
+    case 6: avx2_kernel(6, x, w, k, bias, y, ys); break;
     default: break;
     }
 }
