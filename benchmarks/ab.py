@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
-from benchmarks.util import machine, run_fresh
+from benchmarks.util import checkout_commit, machine, run_fresh
 
 # What one run executes, in the checkout under test: only the public API, which both sides
 # share. The workload is drawn as benchmarks.offline's cpu workload (random.Random(0)).
@@ -88,12 +87,6 @@ VARIANTS = ("plain", "logprobs5", "n4", "repeat4", "json50", "json100", "invaria
             "kv_events", "kv_fp8")
 
 
-def _commit(checkout: Path) -> str:
-    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
-
-
 def _run(checkout: Path, model: str, dtype: str, variant: str) -> dict[str, Any]:
     result: dict[str, Any] = run_fresh(RUN, [model, dtype, variant],
                                        {"PYTHONPATH": str(checkout / "src")}, checkout)
@@ -136,11 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     record = {
         "benchmark": "offline-cpu A/B",
         # The checkouts by commit, not by where they lay on the measuring machine.
-        "command": (f"python -m benchmarks.ab --base <checkout of {_commit(base)}> "
-                    f"--new <checkout of {_commit(new)}> --dtype {args.dtype} "
+        "command": (f"python -m benchmarks.ab --base <checkout of {checkout_commit(base)}> "
+                    f"--new <checkout of {checkout_commit(new)}> --dtype {args.dtype} "
                     f"--pairs {args.pairs} --base-variant {args.base_variant} "
                     f"--new-variant {args.new_variant}"),
-        "base_commit": _commit(base), "new_commit": _commit(new),
+        "base_commit": checkout_commit(base), "new_commit": checkout_commit(new),
         "machine": machine(), "model": Path(model).name, "dtype": args.dtype,
         "variants": {"base": args.base_variant, "new": args.new_variant},
         "same_tokens": len({r["digest"] for r in runs}) == 1,

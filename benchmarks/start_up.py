@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from asyncinfer.threads import MALLOC_TUNABLES
-from benchmarks.util import machine, run_fresh, write_report
+from benchmarks.util import checkout_commit, machine, run_fresh, write_report
 
 RUN = r"""
 import json, random, resource, sys, time
@@ -44,12 +43,6 @@ bursts = [prefill() for _ in range(int(sys.argv[2]))]
 print(json.dumps({"import_s": round(imported - start, 3), "start_s": round(ready - imported, 3),
                   "bursts": bursts}))
 """
-
-
-def _commit(checkout: Path) -> str:
-    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     write_report(args.json, {
         "benchmark": "start_up", "command": " ".join(["python -m benchmarks.start_up",
                                                        *(argv or sys.argv[1:])]),
-        "sides": {name: {"checkout": str(checkout), "commit": _commit(checkout),
+        "sides": {name: {"checkout": str(checkout), "commit": checkout_commit(checkout),
                          "warm_up": warm} for name, (checkout, warm) in sides.items()},
         "machine": machine(), "tunables": MALLOC_TUNABLES,
         "workload": "LLM() on the embedded model, then bursts of 16 new prompts of 256 "

@@ -30,6 +30,13 @@ def git_commit() -> str:
         return "unknown"
 
 
+def checkout_commit(checkout: Path) -> str:
+    """The short commit of another checkout ("unknown" outside git)."""
+    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def run_fresh(code: str, args: list[str], env: dict[str, str] | None = None,
               cwd: Path | None = None) -> Any:
     """Run ``code`` in a fresh Python process with ``args`` (and ``env`` over this process's
